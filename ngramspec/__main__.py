@@ -1,0 +1,3 @@
+from ngramspec.cli import main
+
+raise SystemExit(main())
