@@ -1,0 +1,145 @@
+"""Draft methods for the replay simulator, and the registry that names them.
+
+A method is built from a spec `name:key=value,...` (e.g. `ngramspec-tree:k=8`, `sglang-ngram:match=PROB`).
+Other modules add methods with `register_method(name, factory)`; `ngramspec.controller` registers
+`ngramspec-adaptive` that way when it exists.
+
+The protocol (per request `rid`; drafts are `(tokens int32, parents int32)`, parent -1 = child of the root,
+the root being the last committed token, and `parents[j] < j`):
+
+    start(rid, prompt)                 a request joins, with its prompt
+    propose(rids) -> [(tokens, parents)]   one draft per request, possibly empty
+    verify_width(rids, drafts) -> int  batch verify width including the root (1 = plain decode)
+    update(rid, committed, n_accepted) the tokens committed this step (accepted draft tokens + bonus)
+    observe_step(batch, width, ms)     the simulated step time under the profile, for adaptive methods
+    finish(rid)                        the request is done
+
+Optional hooks the simulator honours: `needs_future = True` makes it call `see_future(rid, output)` before
+`start` (upper bounds only); `profile_dependent = True` makes it replay once per profile and call
+`bind_profile(profile)` first.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable
+
+import numpy as np
+
+EMPTY = np.zeros(0, dtype=np.int32)
+CHAIN_PARENTS = np.arange(-1, 4095, dtype=np.int32)
+EMPTY_DRAFT = (EMPTY, EMPTY)
+
+
+def chain(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A chain draft: each token the child of the previous one."""
+    tokens = np.asarray(tokens, dtype=np.int32)
+    return tokens, CHAIN_PARENTS[: len(tokens)]
+
+
+class Method:
+    """Base class with the protocol's defaults."""
+
+    name: str = "method"
+    needs_future = False
+    profile_dependent = False
+
+    def start(self, rid, prompt: np.ndarray) -> None:
+        pass
+
+    def propose(self, rids: list) -> list[tuple[np.ndarray, np.ndarray]]:
+        raise NotImplementedError
+
+    def verify_width(self, rids: list, drafts: list) -> int:
+        return 1 + max((len(tokens) for tokens, _ in drafts), default=0)
+
+    def update(self, rid, committed: np.ndarray, n_accepted: int) -> None:
+        pass
+
+    def observe_step(self, batch_size: int, width: int, duration_ms: float) -> None:
+        pass
+
+    def finish(self, rid) -> None:
+        pass
+
+
+METHODS: dict[str, Callable[..., Method]] = {}
+_BUILTIN_MODULES = ("baselines", "sglang_ngram", "arctic_suffix", "ngramspec_static", "oracle_ctl")
+_loaded = False
+
+
+def register_method(name: str, factory: Callable[..., Method]) -> None:
+    """Make `name` available to `make_method`; `factory(**params)` builds a fresh Method."""
+    if not name or ":" in name or "," in name or "=" in name:
+        raise ValueError(f"bad method name {name!r}")
+    METHODS[name] = factory
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(f"ngramspec.methods.{module}")
+    try:  # the adaptive controller registers itself, once it exists
+        importlib.import_module("ngramspec.controller")
+    except ModuleNotFoundError as exc:
+        if exc.name != "ngramspec.controller":
+            raise
+
+
+def available_methods() -> list[str]:
+    _load_builtins()
+    return sorted(METHODS)
+
+
+def _parse_value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`name:key=value,...` -> (name, {key: value}); ints and floats are converted."""
+    name, _, rest = spec.strip().partition(":")
+    params = {}
+    if rest:
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip() or not value.strip():
+                raise ValueError(f"method spec {spec!r}: parameters are key=value, got {item!r}")
+            params[key.strip()] = _parse_value(value.strip())
+    return name, params
+
+
+def make_method(spec: str) -> Method:
+    """Build a method from its spec; unknown names or parameters raise ValueError."""
+    _load_builtins()
+    name, params = parse_spec(spec)
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
+    factory = METHODS[name]
+    accepted = inspect.signature(factory).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+        unknown = sorted(set(params) - set(accepted))
+        if unknown:
+            raise ValueError(f"method {name!r} takes parameters {sorted(accepted) or 'none'}, not {unknown}")
+    method = factory(**params)
+    method.name = spec.strip()
+    return method
+
+
+def positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def flag(value, what: str) -> bool:
+    if value in (0, 1, True, False):
+        return bool(value)
+    raise ValueError(f"{what} must be 0 or 1, got {value!r}")

@@ -1,0 +1,47 @@
+"""`ngramspec-chain` and `ngramspec-tree`: our `NgramCache` with a fixed draft budget `k` every step.
+
+Parameters: `k` (draft nodes per request, 8), `depth` (the cache's max_depth; its default when omitted).
+Width = 1 + draft length (no padding).
+"""
+from __future__ import annotations
+
+from ngramspec.methods import Method, positive_int, register_method
+
+
+def make_cache(depth=None):
+    from ngramspec.cache import NgramCache
+
+    return NgramCache() if depth is None else NgramCache(max_depth=positive_int(depth, "depth"))
+
+
+class NgramspecStatic(Method):
+    def __init__(self, k: int = 8, tree: bool = True, depth: int | None = None):
+        self.k = positive_int(k, "ngramspec k")
+        self.tree = tree
+        self.cache = make_cache(depth)
+
+    def start(self, rid, prompt):
+        self.cache.start_request(rid, prompt)
+
+    def propose(self, rids):
+        batch = self.cache.propose(rids, self.k, tree=self.tree)
+        offsets, tokens, parents = batch.offsets, batch.tokens, batch.parents
+        return [(tokens[offsets[i]:offsets[i + 1]], parents[offsets[i]:offsets[i + 1]]) for i in range(len(rids))]
+
+    def update(self, rid, committed, n_accepted):
+        self.cache.add_tokens(rid, committed)
+
+    def finish(self, rid):
+        self.cache.finish_request(rid, share=True)
+
+
+def _chain(k: int = 8, depth: int | None = None) -> NgramspecStatic:
+    return NgramspecStatic(k, tree=False, depth=depth)
+
+
+def _tree(k: int = 8, depth: int | None = None) -> NgramspecStatic:
+    return NgramspecStatic(k, tree=True, depth=depth)
+
+
+register_method("ngramspec-chain", _chain)
+register_method("ngramspec-tree", _tree)

@@ -1,0 +1,309 @@
+"""Trace replay simulator: `ngramspec simulate TRACE... --method M --profile P [--batch B]`.
+
+Replay semantics: `batch` requests are in flight at once (file order; a new request joins as soon as one
+finishes) and every step all of them advance together. Each step the method proposes a draft per request,
+greedy verification against the recorded output accepts the longest root path of the draft that matches
+it, and the step commits the accepted tokens plus one bonus token (a request's final step commits only
+what is left). Methods only ever see tokens that were committed (their own request's and, through their
+shared caches, other requests'), never a request's future, except the declared upper bounds.
+
+A replay records how many batched steps ran at each (batch size, verify width); a cost profile turns that
+into time, so one replay is costed under every profile unless the method's drafts depend on the profile
+(adaptive methods, `oracle-ctl`), which are replayed once per profile. `speedup` is the time of plain
+decoding (`none`) over the method's time, for the same trace, profile and batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+import numpy as np
+from numba import njit
+
+from ngramspec.methods import Method, make_method
+from ngramspec.profiles import CostProfile, get_profile
+from ngramspec.traces import Trace, load_trace
+
+BASELINE = "none"
+
+
+@njit(cache=True)
+def accepted_length(tokens, parents, output, pos):
+    """Number of draft nodes greedy verification accepts: the deepest root path matching `output[pos:]`."""
+    n = tokens.shape[0]
+    remaining = output.shape[0] - pos
+    depth = np.empty(n, np.int64)  # depth of a matching node (1 = child of the root), 0 if it does not match
+    best = 0
+    for j in range(n):
+        parent = parents[j]
+        if parent >= j or parent < -1:
+            raise ValueError("draft parents must satisfy -1 <= parents[j] < j")
+        d = 1 if parent < 0 else depth[parent] + 1
+        if (parent >= 0 and depth[parent] == 0) or d > remaining or tokens[j] != output[pos + d - 1]:
+            depth[j] = 0
+        else:
+            depth[j] = d
+            if d > best:
+                best = d
+    return best
+
+
+@dataclass
+class Replay:
+    """What one replay of a trace by a method at a batch size measured (profile-free)."""
+
+    trace: str
+    method: str
+    batch: int
+    requests: int = 0
+    tokens: int = 0
+    steps: int = 0  # request-steps: one per request per batched step (tokens per step = tokens / steps)
+    batch_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    proposer_s: float = 0.0
+    replay_s: float = 0.0
+    step_counts: dict = field(default_factory=dict)  # (batch size, width) -> number of batched steps
+    profile: str | None = None  # set when the replay itself depended on the profile
+
+
+def _check_draft(draft) -> tuple[np.ndarray, np.ndarray]:
+    tokens, parents = draft
+    if tokens.dtype != np.int32 or parents.dtype != np.int32 or tokens.shape != parents.shape:
+        raise TypeError("a draft is (tokens int32, parents int32) of equal length")
+    return tokens, parents
+
+
+def replay(trace: Trace, method: Method, batch: int = 1, profile: CostProfile | None = None,
+           progress: bool = False) -> Replay:
+    """Replay `trace` with `method`, `batch` requests in flight; see the module docstring."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if method.profile_dependent:
+        if profile is None:
+            raise ValueError(f"method {method.name} depends on the cost profile; pass one")
+        method.bind_profile(profile)
+    prompts = [r.prompt for r in trace.requests]
+    outputs = [r.output for r in trace.requests]
+    result = Replay(trace.name, method.name, batch, requests=len(outputs),
+                    profile=profile.name if method.profile_dependent else None)
+    counts = result.step_counts
+    pos = [0] * len(outputs)
+    active: list[int] = []
+    upcoming = 0
+    steps = drafted = accepted = 0
+    proposer_s = 0.0
+    clock = time.perf_counter
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=trace.output_tokens, unit="tok", desc=f"{trace.name} {method.name} b{batch}",
+                   leave=False, mininterval=0.5)
+    committed_since_bar = 0
+    began = clock()
+    while active or upcoming < len(outputs):
+        while len(active) < batch and upcoming < len(outputs):
+            if method.needs_future:
+                method.see_future(upcoming, outputs[upcoming])
+            method.start(upcoming, prompts[upcoming])
+            active.append(upcoming)
+            upcoming += 1
+        t0 = clock()
+        drafts = method.propose(active)
+        proposer_s += clock() - t0
+        if len(drafts) != len(active):
+            raise ValueError(f"{method.name}: propose returned {len(drafts)} drafts for {len(active)} requests")
+        width = int(method.verify_width(active, drafts))
+        size = len(active)
+        counts[(size, width)] = counts.get((size, width), 0) + 1
+        finished = []
+        for rid, draft in zip(active, drafts):
+            tokens, parents = _check_draft(draft)
+            output, p = outputs[rid], pos[rid]
+            n_draft = len(tokens)
+            if n_draft >= width:
+                raise ValueError(f"{method.name}: verify width {width} cannot hold a draft of {n_draft} nodes")
+            n_accepted = accepted_length(tokens, parents, output, p) if n_draft else 0
+            n_commit = min(n_accepted + 1, len(output) - p)
+            t0 = clock()
+            method.update(rid, output[p: p + n_commit], n_accepted)
+            proposer_s += clock() - t0
+            pos[rid] = p + n_commit
+            drafted += n_draft
+            accepted += n_accepted
+            committed_since_bar += n_commit
+            if p + n_commit == len(output):
+                finished.append(rid)
+        steps += size
+        if method.profile_dependent:
+            method.observe_step(size, width, profile.cost_ms(size, width))
+        for rid in finished:
+            method.finish(rid)
+            active.remove(rid)
+        if bar is not None and committed_since_bar >= 4096:
+            bar.update(committed_since_bar)
+            committed_since_bar = 0
+    if bar is not None:
+        bar.update(committed_since_bar)
+        bar.close()
+    result.replay_s = clock() - began
+    result.tokens = sum(len(o) for o in outputs)
+    result.steps, result.drafted, result.accepted, result.proposer_s = steps, drafted, accepted, proposer_s
+    result.batch_steps = sum(counts.values())
+    return result
+
+
+def summarize(run: Replay, profile: CostProfile, baseline: Replay) -> dict:
+    """One result row: `run` costed under `profile`, speedup against the `none` replay `baseline`."""
+    time_ms = profile.total_ms(run.step_counts)
+    base_ms = profile.total_ms(baseline.step_counts)
+    widths = sum(w * n for (_, w), n in run.step_counts.items())
+    return {
+        "trace": run.trace, "method": run.method, "profile": profile.name, "batch": run.batch,
+        "requests": run.requests, "tokens": run.tokens, "steps": run.steps, "batch_steps": run.batch_steps,
+        "accept_len": run.tokens / run.steps,
+        "drafted_per_step": run.drafted / run.steps,
+        "accept_rate": run.accepted / run.drafted if run.drafted else 0.0,
+        "mean_width": widths / run.batch_steps,
+        "time_ms": time_ms,
+        "tokens_per_s": run.tokens / time_ms * 1e3,
+        "speedup": base_ms / time_ms,
+        "proposer_us_per_token": run.proposer_s / run.tokens * 1e6,
+        "replay_s": run.replay_s,
+    }
+
+
+@lru_cache(maxsize=8)
+def _cached_trace(path: str, max_requests: int | None) -> Trace:
+    trace = load_trace(path)
+    return trace.head(max_requests) if max_requests else trace
+
+
+def _replay_task(task) -> Replay:
+    path, spec, batch, profile_spec, max_requests, progress = task
+    profile = get_profile(profile_spec) if profile_spec else None
+    return replay(_cached_trace(path, max_requests), make_method(spec), batch, profile, progress)
+
+
+def run_all(trace_paths, method_specs, profile_specs, batches, jobs: int = 1, max_requests: int | None = None,
+            progress: bool = True) -> list[dict]:
+    """Replay every (trace, method, batch), once per profile only where the method needs it; cost them all."""
+    profiles = [get_profile(p) for p in profile_specs]
+    methods = {spec: make_method(spec) for spec in method_specs}  # validates specs before any replay
+    tasks = []
+    for path in trace_paths:
+        for batch in batches:
+            for spec in dict.fromkeys([BASELINE, *method_specs]):
+                if spec in methods and methods[spec].profile_dependent:
+                    tasks += [(str(path), spec, batch, p, max_requests) for p in profile_specs]
+                else:
+                    tasks.append((str(path), spec, batch, None, max_requests))
+    runs: dict = {}
+    if jobs <= 1:
+        for task in tasks:
+            runs[task] = _replay_task((*task, progress))
+    else:
+        from tqdm import tqdm
+        with ProcessPoolExecutor(jobs) as pool:
+            futures = {task: pool.submit(_replay_task, (*task, False)) for task in tasks}
+            for task in tqdm(futures, desc="replays", disable=not progress):
+                runs[task] = futures[task].result()
+    rows = []
+    for path in trace_paths:
+        for batch in batches:
+            baseline = runs[(str(path), BASELINE, batch, None, max_requests)]
+            for profile, profile_spec in zip(profiles, profile_specs):
+                for spec in method_specs:
+                    run = runs.get((str(path), spec, batch, None, max_requests))
+                    if run is None:
+                        run = runs[(str(path), spec, batch, profile_spec, max_requests)]
+                    rows.append(summarize(run, profile, baseline))
+    return rows
+
+
+COLUMNS = [("trace", "s"), ("method", "s"), ("profile", "s"), ("batch", "d"), ("steps", "d"),
+           ("accept_len", ".3f"), ("drafted_per_step", ".2f"), ("accept_rate", ".3f"), ("mean_width", ".2f"),
+           ("speedup", ".3f"), ("proposer_us_per_token", ".2f")]
+
+
+def format_table(rows: list[dict]) -> str:
+    """A markdown table of the result rows."""
+    heads = [name for name, _ in COLUMNS]
+    lines = ["| " + " | ".join(heads) + " |",
+             "|" + "|".join("---" if fmt == "s" else "---:" for _, fmt in COLUMNS) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(format(row[name], fmt) for name, fmt in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Speedup by trace and method, one panel per (profile, batch)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["profile"], r["batch"]) for r in rows))
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6, 1.6 * len(traces) * len(methods) / 3),
+                                                      3.2 * len(panels)), squeeze=False)
+    width = 0.8 / len(methods)
+    for ax, (profile, batch) in zip(axes[:, 0], panels):
+        for m, method in enumerate(methods):
+            values = [next((r["speedup"] for r in rows if (r["profile"], r["batch"], r["trace"], r["method"])
+                            == (profile, batch, trace, method)), np.nan) for trace in traces]
+            ax.bar(np.arange(len(traces)) + (m - (len(methods) - 1) / 2) * width, values, width, label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(np.arange(len(traces)), traces)
+        ax.set_ylabel("speedup vs none")
+        ax.set_title(f"{profile}, batch {batch}")
+    axes[0, 0].legend(fontsize="small", ncol=min(4, len(methods)))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ngramspec simulate", description=__doc__.split("\n")[0])
+    parser.add_argument("traces", nargs="+", metavar="TRACE", help="gzip JSONL trace files")
+    parser.add_argument("--method", action="append", required=True,
+                        help="method spec name:key=value,... (repeatable)")
+    parser.add_argument("--profile", action="append", required=True,
+                        help="seed-pcie8, h200-llama8b or FILE.json[:COLUMN] (repeatable)")
+    parser.add_argument("--batch", type=int, action="append", help="requests in flight (repeatable; default 1)")
+    parser.add_argument("--json", metavar="FILE", help="write the result rows as JSON ('-' for stdout)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw speedup by trace and method")
+    parser.add_argument("--jobs", type=int, default=1, help="replays run in parallel processes")
+    parser.add_argument("--max-requests", type=int, help="replay only the first N requests of each trace")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    batches = args.batch or [1]
+    if any(b < 1 for b in batches):
+        parser.error("--batch must be >= 1")
+    try:
+        rows = run_all(args.traces, args.method, args.profile, batches, jobs=args.jobs,
+                       max_requests=args.max_requests, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"ngramspec simulate: error: {exc}", file=sys.stderr)
+        return 2
+    table_out = sys.stderr if args.json == "-" else sys.stdout
+    print(format_table(rows), file=table_out)
+    if args.json == "-":
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+    elif args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
