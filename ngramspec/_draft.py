@@ -1,0 +1,274 @@
+"""Numba kernels that turn trie matches into drafts (chain or best-first tree) and index whole batches."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ngramspec._trie import (
+    CHILD, CNT, DEP, NEXT, TAIL, TOK,
+    _arena_token, insert_token, longest_match,
+)
+
+SRC_LOCAL, SRC_SHARED = 0, 1
+
+
+@njit(cache=True)
+def continuations(nodes, arena, alen, n, off, max_out, o_tok, o_node, o_off, o_cnt):
+    """The (up to ``max_out``) most frequent next tokens after position (n, off), most frequent first.
+
+    Returns (k, total): how many were written and the total count over *all* continuations (the denominator
+    of the empirical conditional probability). A tail counts as one occurrence.
+    """
+    if off > 0:
+        t = _arena_token(arena, alen, nodes[n, TAIL] + off)
+        if t < 0 or max_out <= 0:
+            return 0, 0
+        o_tok[0], o_node[0], o_off[0], o_cnt[0] = t, n, off + 1, 1
+        return 1, 1
+    k = 0
+    total = 0
+    t = _arena_token(arena, alen, nodes[n, TAIL])
+    if t >= 0:
+        total += 1
+        if max_out > 0:
+            o_tok[0], o_node[0], o_off[0], o_cnt[0] = t, n, 1, 1
+            k = 1
+    c = nodes[n, CHILD]
+    while c >= 0:
+        cnt = nodes[c, CNT]
+        total += cnt
+        # insertion into the top-k list, ties keep the earlier (deterministic)
+        i = k
+        if k < max_out:
+            k += 1
+        elif cnt <= o_cnt[k - 1]:
+            c = nodes[c, NEXT]
+            continue
+        else:
+            i = k - 1
+        while i > 0 and o_cnt[i - 1] < cnt:
+            o_tok[i], o_node[i], o_off[i], o_cnt[i] = o_tok[i - 1], o_node[i - 1], o_off[i - 1], o_cnt[i - 1]
+            i -= 1
+        o_tok[i], o_node[i], o_off[i], o_cnt[i] = nodes[c, TOK], c, 0, cnt
+        c = nodes[c, NEXT]
+    return k, total
+
+
+@njit(cache=True)
+def _pos_depth(nodes, n, off):
+    return nodes[n, DEP] + off
+
+
+@njit(cache=True)
+def draft_chain(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_depth,
+                buf, o_tok, o_par, o_prob, base):
+    """Most likely continuation from match position (n, off), up to ``budget`` tokens.
+
+    When the trie path runs out (depth D, or an occurrence that ended) it backs off to the longest suffix of
+    history + draft that still has a continuation, like a suffix link. Returns the number of tokens written.
+    """
+    ctx = min(hlen, max_depth - 1)
+    for i in range(ctx):
+        buf[i] = hist[hlen - ctx + i]
+    blen = ctx
+    c_tok = np.empty(1, np.int32)
+    c_node = np.empty(1, np.int32)
+    c_off = np.empty(1, np.int32)
+    c_cnt = np.empty(1, np.int32)
+    prob = 1.0
+    i = 0
+    while i < budget:
+        k, total = continuations(nodes, arena, alen, n, off, 1, c_tok, c_node, c_off, c_cnt)
+        if k == 0:
+            m_hi = min(_pos_depth(nodes, n, off) - 1, max_depth - 1)
+            m, n2, off2 = longest_match(nodes, table, root, arena, alen, buf, blen, m_hi)
+            if m == 0:
+                break
+            n, off = n2, off2
+            continue
+        prob *= c_cnt[0] / total
+        o_tok[base + i] = c_tok[0]
+        o_par[base + i] = i - 1
+        o_prob[base + i] = prob
+        buf[blen] = c_tok[0]
+        blen += 1
+        n, off = c_node[0], c_off[0]
+        i += 1
+    return i
+
+
+@njit(cache=True)
+def _heap_push(h_prob, h_seq, h_idx, size, prob, seq, idx):
+    i = size
+    h_prob[i], h_seq[i], h_idx[i] = prob, seq, idx
+    while i > 0:
+        p = (i - 1) // 2
+        if h_prob[p] > h_prob[i] or (h_prob[p] == h_prob[i] and h_seq[p] < h_seq[i]):
+            break
+        h_prob[p], h_prob[i] = h_prob[i], h_prob[p]
+        h_seq[p], h_seq[i] = h_seq[i], h_seq[p]
+        h_idx[p], h_idx[i] = h_idx[i], h_idx[p]
+        i = p
+    return size + 1
+
+
+@njit(cache=True)
+def _heap_pop(h_prob, h_seq, h_idx, size):
+    idx = h_idx[0]
+    size -= 1
+    h_prob[0], h_seq[0], h_idx[0] = h_prob[size], h_seq[size], h_idx[size]
+    i = 0
+    while True:
+        l, r, b = 2 * i + 1, 2 * i + 2, i
+        if l < size and (h_prob[l] > h_prob[b] or (h_prob[l] == h_prob[b] and h_seq[l] < h_seq[b])):
+            b = l
+        if r < size and (h_prob[r] > h_prob[b] or (h_prob[r] == h_prob[b] and h_seq[r] < h_seq[b])):
+            b = r
+        if b == i:
+            break
+        h_prob[b], h_prob[i] = h_prob[i], h_prob[b]
+        h_seq[b], h_seq[i] = h_seq[i], h_seq[b]
+        h_idx[b], h_idx[i] = h_idx[i], h_idx[b]
+        i = b
+    return idx, size
+
+
+@njit(cache=True)
+def draft_tree(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_depth,
+               buf, o_tok, o_par, o_prob, base):
+    """Best-first tree: repeatedly add the frontier node of highest path probability (product of empirical
+    conditional frequencies). Output is in that order, so parents precede children, probabilities never grow
+    along a path, and every prefix of the output is the best tree of its size. Returns the node count."""
+    cap = budget * (budget + 1) + 1
+    c_tok = np.empty(cap, np.int32)   # candidates: token, parent draft index, trie position, path probability
+    c_par = np.empty(cap, np.int32)
+    c_node = np.empty(cap, np.int32)
+    c_off = np.empty(cap, np.int32)
+    c_prob = np.empty(cap, np.float64)
+    h_prob = np.empty(cap, np.float64)
+    h_seq = np.empty(cap, np.int64)
+    h_idx = np.empty(cap, np.int32)
+    d_node = np.empty(budget, np.int32)
+    d_off = np.empty(budget, np.int32)
+    t_tok = np.empty(budget, np.int32)
+    t_node = np.empty(budget, np.int32)
+    t_off = np.empty(budget, np.int32)
+    t_cnt = np.empty(budget, np.int32)
+    ctx = min(hlen, max_depth - 1)
+    ncand = 0
+    hsize = 0
+    done = 0
+    pn, poff, parent, pprob = n, off, -1, 1.0
+    while True:
+        # push the continuations of (pn, poff) as children of draft node `parent`
+        want = budget - done
+        k, total = continuations(nodes, arena, alen, pn, poff, want, t_tok, t_node, t_off, t_cnt)
+        if k == 0 and parent >= 0:
+            # back off: longest suffix of history + path to `parent` that has a continuation
+            depth = 0
+            j = parent
+            while j >= 0:
+                depth += 1
+                j = o_par[base + j]
+            blen = ctx + depth
+            for i in range(ctx):
+                buf[i] = hist[hlen - ctx + i]
+            j = parent
+            p = blen - 1
+            while j >= 0:
+                buf[p] = o_tok[base + j]
+                p -= 1
+                j = o_par[base + j]
+            m_hi = min(_pos_depth(nodes, pn, poff) - 1, max_depth - 1)
+            m, n2, off2 = longest_match(nodes, table, root, arena, alen, buf, blen, m_hi)
+            if m > 0:
+                k, total = continuations(nodes, arena, alen, n2, off2, want, t_tok, t_node, t_off, t_cnt)
+        for i in range(k):
+            c_tok[ncand], c_par[ncand] = t_tok[i], parent
+            c_node[ncand], c_off[ncand] = t_node[i], t_off[i]
+            c_prob[ncand] = pprob * t_cnt[i] / total
+            hsize = _heap_push(h_prob, h_seq, h_idx, hsize, c_prob[ncand], ncand, ncand)
+            ncand += 1
+        if hsize == 0 or done >= budget:
+            break
+        ci, hsize = _heap_pop(h_prob, h_seq, h_idx, hsize)
+        o_tok[base + done] = c_tok[ci]
+        o_par[base + done] = c_par[ci]
+        o_prob[base + done] = c_prob[ci]
+        d_node[done], d_off[done] = c_node[ci], c_off[ci]
+        pn, poff, parent, pprob = c_node[ci], c_off[ci], done, c_prob[ci]
+        done += 1
+    return done
+
+
+@njit(cache=True)
+def propose_batch(slots, budgets, tree, max_depth,
+                  l_nodes, l_table, roots, hists, hlens,
+                  s_nodes, s_table, s_root, s_arena,
+                  match_len, since, epoch_seen, epoch, use_shared,
+                  o_tok, o_par, o_prob, o_src, offsets):
+    """Draft for every request of a batch in one call. Output is flat; request i owns offsets[i]:offsets[i+1].
+
+    Source choice: the longer match wins (own history vs shared cache); on a tie, own history. Match lengths are
+    found incrementally: a match can grow by at most the number of tokens added since the last proposal, so
+    only the shared cache's changes (new finished requests) force a full-depth search.
+    """
+    B = slots.shape[0]
+    maxb = 1
+    for i in range(B):
+        maxb = max(maxb, budgets[i])
+    buf = np.empty(max_depth + maxb + 1, np.int32)
+    s_alen = s_arena.shape[0]
+    pos = 0
+    offsets[0] = 0
+    for i in range(B):
+        r = slots[i]
+        hist = hists[r]
+        hlen = hlens[r]
+        lim = max_depth - 1
+        m_hi = min(match_len[r, 0] + since[r], lim)
+        ml, ln, loff = longest_match(l_nodes, l_table, roots[r], hist, hlen, hist, hlen, m_hi)
+        ms, sn, soff = 0, -1, 0
+        if use_shared:
+            m_hi = lim if epoch_seen[r] != epoch else min(match_len[r, 1] + since[r], lim)
+            ms, sn, soff = longest_match(s_nodes, s_table, s_root, s_arena, s_alen, hist, hlen, m_hi)
+        match_len[r, 0] = ml
+        match_len[r, 1] = ms
+        since[r] = 0
+        epoch_seen[r] = epoch
+        k = 0
+        src = SRC_LOCAL
+        if ml > 0 and ml >= ms:
+            if tree:
+                k = draft_tree(l_nodes, l_table, roots[r], hist, hlen, ln, loff, hist, hlen, budgets[i],
+                               max_depth, buf, o_tok, o_par, o_prob, pos)
+            else:
+                k = draft_chain(l_nodes, l_table, roots[r], hist, hlen, ln, loff, hist, hlen, budgets[i],
+                                max_depth, buf, o_tok, o_par, o_prob, pos)
+        elif ms > 0:
+            src = SRC_SHARED
+            if tree:
+                k = draft_tree(s_nodes, s_table, s_root, s_arena, s_alen, sn, soff, hist, hlen, budgets[i],
+                               max_depth, buf, o_tok, o_par, o_prob, pos)
+            else:
+                k = draft_chain(s_nodes, s_table, s_root, s_arena, s_alen, sn, soff, hist, hlen, budgets[i],
+                                max_depth, buf, o_tok, o_par, o_prob, pos)
+        for j in range(pos, pos + k):
+            o_src[j] = src
+        pos += k
+        offsets[i + 1] = pos
+    return pos
+
+
+@njit(cache=True)
+def append_batch(slots, flat, offsets, max_depth, l_nodes, l_table, l_meta, roots, hists, hlens, active, since):
+    """Append each request's new tokens to its history and index them in its own trie (O(D) per token)."""
+    for i in range(slots.shape[0]):
+        r = slots[i]
+        hist = hists[r]
+        for j in range(offsets[i], offsets[i + 1]):
+            p = hlens[r]
+            hist[p] = flat[j]
+            hlens[r] = p + 1
+            insert_token(l_nodes, l_table, l_meta, roots[r], active[r], hist, p + 1, p, max_depth)
+        since[r] += offsets[i + 1] - offsets[i]

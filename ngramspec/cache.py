@@ -1,0 +1,304 @@
+"""`NgramCache`: the request-facing API over the numba suffix tries.
+
+Two sources of drafts, bounded separately:
+
+- **own history**: each request's prompt + output so far, indexed in a per-request trie (all per-request tries
+  share one node pool of ``local_nodes``). Catches copies, code edits, RAG, self-repetition.
+- **shared cache**: the outputs of finished requests (``finish_request(rid, share=True)``), in a token ring of
+  ``shared_tokens`` indexed by one trie of ``shared_nodes``. Catches cross-request patterns. FIFO eviction of
+  whole outputs (see ``_shared.py``); counts stay exact for what is held.
+
+A draft comes from the source with the longer suffix match; a tie goes to the request's own history.
+
+Capacity policy: the shared cache evicts its oldest outputs and never exceeds its bounds. The per-request pool
+never evicts a live request: when it is full, new occurrences are simply not indexed (counts under-count,
+drafts continue from what is indexed) until finishing requests free nodes. Nothing ever grows past the sizes
+given at construction except each request's token history (4 bytes per token, freed at finish).
+
+Thread safety: none. Use one cache per process (per tensor-parallel rank, fed identical tokens, it produces
+identical drafts: everything here is deterministic).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+from numba import typed
+
+from ngramspec import _draft, _shared, _trie
+
+MAX_TOKEN = 2**31 - 1  # token ids must lie in [0, 2**31 - 1): -1 marks "none", int32 storage
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One request's draft. ``parents[j] < j`` (-1: child of the root, the last committed token)."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    probs: np.ndarray
+    sources: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def prefix(self, n: int) -> "Draft":
+        """The first ``n`` nodes: again a valid draft (nodes are in best-first order)."""
+        return Draft(self.tokens[:n], self.parents[:n], self.probs[:n], self.sources[:n])
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """Drafts of a batch in flat arrays; request i owns ``offsets[i]:offsets[i+1]``."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    probs: np.ndarray
+    sources: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0] - 1)
+
+    def draft(self, i: int) -> Draft:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return Draft(self.tokens[a:b], self.parents[a:b], self.probs[a:b], self.sources[a:b])
+
+    def __iter__(self):
+        return (self.draft(i) for i in range(len(self)))
+
+
+def as_tokens(tokens, what: str = "tokens", allow_empty: bool = True) -> np.ndarray:
+    """Validate token ids and return them as a contiguous int32 array. Raises TypeError / ValueError."""
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+            raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
+        items = list(tokens)
+        for t in items:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"{what} must hold integer token ids, found {t!r} ({type(t).__name__})")
+        arr = np.array(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must have an integer dtype, got {arr.dtype}")
+    if arr.size == 0:
+        if not allow_empty:
+            raise ValueError(f"{what} must not be empty")
+        return np.zeros(0, dtype=np.int32)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= MAX_TOKEN:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{what}: token id {bad} is out of range [0, {MAX_TOKEN})")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+class NgramCache:
+    """Suffix-trie n-gram cache. Verbs: start_request, add_tokens, propose, finish_request."""
+
+    def __init__(
+        self,
+        max_depth: int = 16,
+        max_requests: int = 1024,
+        local_nodes: int = 1 << 21,
+        shared_nodes: int = 1 << 21,
+        shared_tokens: int = 1 << 21,
+        shared_segments: int = 1 << 16,
+        use_shared: bool = True,
+    ):
+        if not 2 <= max_depth <= 127:
+            raise ValueError(f"max_depth must be in [2, 127], got {max_depth}")
+        for name, v, lo in (("max_requests", max_requests, 1), ("local_nodes", local_nodes, max_requests + 1),
+                            ("shared_nodes", shared_nodes, 2 * max_depth + 2), ("shared_tokens", shared_tokens, 2),
+                            ("shared_segments", shared_segments, 1)):
+            if int(v) != v or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v}")
+        self.max_depth = int(max_depth)
+        self.max_requests = int(max_requests)
+        self.use_shared = bool(use_shared)
+        D = self.max_depth
+        self._l_nodes, self._l_table, self._l_meta = _trie.new_trie(int(local_nodes))
+        self._s_nodes, self._s_table, self._s_meta = _trie.new_trie(int(shared_nodes))
+        self._s_root = int(_trie.alloc_node(self._s_nodes, self._s_table, self._s_meta, -1, -1, 0))
+        self._arena, self._seg, self._ring = _shared.new_ring(int(shared_tokens), int(shared_segments))
+        R = self.max_requests
+        self._roots = np.full(R, -1, dtype=np.int32)
+        self._hlens = np.zeros(R, dtype=np.int64)
+        self._prompt_len = np.zeros(R, dtype=np.int64)
+        self._active = np.full((R, D), -1, dtype=np.int32)
+        self._match = np.zeros((R, 2), dtype=np.int64)
+        self._since = np.zeros(R, dtype=np.int64)
+        self._epoch_seen = np.full(R, -1, dtype=np.int64)
+        empty = np.zeros(1, dtype=np.int32)
+        self._hists = typed.List([empty for _ in range(R)])
+        self._scratch = np.empty(int(local_nodes), dtype=np.int32)
+        self._share_active = np.full(D, -1, dtype=np.int32)
+        self._slot_of: dict[Hashable, int] = {}
+        self._free_slots = list(range(R - 1, -1, -1))
+
+    # ----------------------------------------------------------------------------------------------- verbs
+    def start_request(self, rid: Hashable, prompt) -> None:
+        """Register a request and index its prompt in its own trie."""
+        if rid in self._slot_of:
+            raise ValueError(f"request {rid!r} is already active")
+        toks = as_tokens(prompt, "prompt", allow_empty=False)
+        if not self._free_slots:
+            raise RuntimeError(f"too many active requests (max_requests={self.max_requests}); finish some first")
+        root = _trie.alloc_node(self._l_nodes, self._l_table, self._l_meta, -1, -1, 0)
+        if root < 0:
+            raise RuntimeError("the per-request node pool is full; finish requests or raise local_nodes")
+        slot = self._free_slots.pop()
+        self._slot_of[rid] = slot
+        self._roots[slot] = root
+        self._hlens[slot] = 0
+        self._prompt_len[slot] = toks.size
+        self._active[slot] = -1
+        self._match[slot] = 0
+        self._since[slot] = 0
+        self._epoch_seen[slot] = -1
+        self._hists[slot] = np.empty(max(64, 2 * toks.size), dtype=np.int32)
+        self._append([slot], [toks])
+
+    def add_tokens(self, rid: Hashable, tokens) -> None:
+        """Append tokens the model committed for ``rid`` (accepted draft tokens + the bonus token)."""
+        self.add_tokens_batch([rid], [tokens])
+
+    def add_tokens_batch(self, rids: Sequence[Hashable], token_lists: Sequence) -> None:
+        """``add_tokens`` for a whole batch in one jitted call. Validates everything before changing anything."""
+        if len(rids) != len(token_lists):
+            raise ValueError(f"{len(rids)} request ids but {len(token_lists)} token lists")
+        slots = self._slots(rids)
+        if len(set(slots)) != len(slots):
+            raise ValueError("a request id appears twice in one batch")
+        arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
+        self._append(slots, arrays)
+
+    def propose(self, rids: Sequence[Hashable], budgets=8, tree: bool = True) -> DraftBatch:
+        """Draft up to ``budgets[i]`` tokens for each request (a chain when ``tree`` is False)."""
+        slots = self._slots(rids)
+        B = len(slots)
+        if np.ndim(budgets) == 0:
+            budgets = [budgets] * B
+        if len(budgets) != B:
+            raise ValueError(f"{B} request ids but {len(budgets)} budgets")
+        for b in budgets:
+            if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or b < 1:
+                raise ValueError(f"budgets must be integers >= 1, got {b!r}")
+        bud = np.asarray(budgets, dtype=np.int64)
+        total = int(bud.sum())
+        o_tok = np.empty(total, np.int32)
+        o_par = np.empty(total, np.int32)
+        o_prob = np.empty(total, np.float32)
+        o_src = np.empty(total, np.int8)
+        offsets = np.empty(B + 1, np.int64)
+        n = _draft.propose_batch(
+            np.asarray(slots, dtype=np.int64), bud, bool(tree), self.max_depth,
+            self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
+            self._s_nodes, self._s_table, self._s_root, self._arena,
+            self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
+            o_tok, o_par, o_prob, o_src, offsets)
+        return DraftBatch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets)
+
+    def finish_request(self, rid: Hashable, share: bool = True) -> None:
+        """Free the request's state; with ``share`` its output (tokens after the prompt) joins the shared cache."""
+        slot = self._slots([rid])[0]
+        if share and self.use_shared:
+            out = np.array(self._hists[slot][self._prompt_len[slot]:self._hlens[slot]], dtype=np.int32)
+            if out.size:
+                self._share_active[:] = -1
+                _shared.share_tokens(self._s_nodes, self._s_table, self._s_meta, self._s_root, self._arena,
+                                     self._seg, self._ring, out, self.max_depth, self._share_active)
+        _trie.free_subtree(self._l_nodes, self._l_table, self._l_meta, int(self._roots[slot]), self._scratch)
+        self._roots[slot] = -1
+        self._hists[slot] = np.zeros(1, dtype=np.int32)
+        self._hlens[slot] = 0
+        del self._slot_of[rid]
+        self._free_slots.append(slot)
+
+    # ------------------------------------------------------------------------------------------ inspection
+    def __contains__(self, rid: Hashable) -> bool:
+        return rid in self._slot_of
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._slot_of)
+
+    def history(self, rid: Hashable) -> np.ndarray:
+        slot = self._slots([rid])[0]
+        return np.array(self._hists[slot][: self._hlens[slot]])
+
+    def count(self, ngram, source: str = "own", rid: Hashable | None = None) -> int:
+        """Occurrences of ``ngram`` (length <= max_depth) in a request's own history or in the shared cache."""
+        seq = as_tokens(ngram, "ngram", allow_empty=False)
+        if seq.size > self.max_depth:
+            raise ValueError(f"ngram longer than max_depth={self.max_depth}")
+        if source == "own":
+            slot = self._slots([rid])[0]
+            hist = self._hists[slot]
+            return int(_trie.count_ngram(self._l_nodes, self._l_table, int(self._roots[slot]), hist,
+                                         int(self._hlens[slot]), seq, 0, seq.size))
+        if source == "shared":
+            return int(_trie.count_ngram(self._s_nodes, self._s_table, self._s_root, self._arena,
+                                         self._arena.size, seq, 0, seq.size))
+        raise ValueError(f"source must be 'own' or 'shared', got {source!r}")
+
+    def match_length(self, rid: Hashable, source: str = "own") -> int:
+        """Length of the longest suffix of the request's history seen before with a continuation (<= D-1)."""
+        slot = self._slots([rid])[0]
+        hist, hlen = self._hists[slot], int(self._hlens[slot])
+        if source == "own":
+            m, _, _ = _trie.longest_match(self._l_nodes, self._l_table, int(self._roots[slot]), hist, hlen,
+                                          hist, hlen, self.max_depth - 1)
+        elif source == "shared":
+            m, _, _ = _trie.longest_match(self._s_nodes, self._s_table, self._s_root, self._arena,
+                                          self._arena.size, hist, hlen, self.max_depth - 1)
+        else:
+            raise ValueError(f"source must be 'own' or 'shared', got {source!r}")
+        return int(m)
+
+    def stats(self) -> dict:
+        """Node and token usage, and the bytes held by the cache's arrays."""
+        nbytes = sum(a.nbytes for a in (self._l_nodes, self._l_table, self._s_nodes, self._s_table, self._arena))
+        nbytes += sum(int(self._hists[s].nbytes) for s in self._slot_of.values())
+        return {
+            "active_requests": len(self._slot_of),
+            "local_nodes_live": int(self._l_meta[_trie.M_LIVE]),
+            "local_nodes_capacity": int(self._l_meta[_trie.M_CAP]),
+            "shared_nodes_live": int(self._s_meta[_trie.M_LIVE]),
+            "shared_nodes_capacity": int(self._s_meta[_trie.M_CAP]),
+            "shared_segments": int(self._ring[_shared.S_COUNT]),
+            "shared_tokens_held": int(self._seg[self._held_segments(), 1].sum()),
+            "bytes_allocated": int(nbytes),
+            "bytes_per_node": (_trie.NODE_FIELDS * 4 + 4 * self._l_table.size / self._l_nodes.shape[0]),
+        }
+
+    # ----------------------------------------------------------------------------------------------- inner
+    def _held_segments(self) -> np.ndarray:
+        n_seg = self._seg.shape[0]
+        return (int(self._ring[_shared.S_HEAD]) + np.arange(int(self._ring[_shared.S_COUNT]))) % n_seg
+
+    def _slots(self, rids: Sequence[Hashable]) -> list[int]:
+        try:
+            return [self._slot_of[r] for r in rids]
+        except KeyError as e:
+            raise KeyError(f"unknown request id {e.args[0]!r} (never started, or already finished)") from None
+        except TypeError as e:
+            raise TypeError(f"request ids must be hashable: {e}") from None
+
+    def _append(self, slots: list[int], arrays: list[np.ndarray]) -> None:
+        for slot, a in zip(slots, arrays):
+            need = int(self._hlens[slot]) + a.size
+            hist = self._hists[slot]
+            if need > hist.size:
+                grown = np.empty(max(need, 2 * hist.size), dtype=np.int32)
+                grown[: self._hlens[slot]] = hist[: self._hlens[slot]]
+                self._hists[slot] = grown
+        flat = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum([a.size for a in arrays], out=offsets[1:])
+        _draft.append_batch(np.asarray(slots, dtype=np.int64), flat, offsets, self.max_depth, self._l_nodes,
+                            self._l_table, self._l_meta, self._roots, self._hists, self._hlens, self._active,
+                            self._since)
