@@ -44,8 +44,8 @@ class LinearProfile(CostProfile):
     """Decode costs `decode_ms`; a verify of width n > 1 costs `verify_base_ms + verify_per_token_ms * n`."""
 
     def __init__(self, name: str, decode_ms: float, verify_base_ms: float, verify_per_token_ms: float):
-        if decode_ms <= 0 or verify_base_ms < 0 or verify_per_token_ms < 0:
-            raise ValueError("profile costs must be positive")
+        if decode_ms <= 0 or verify_base_ms < 0 or verify_per_token_ms < 0 or verify_base_ms + verify_per_token_ms <= 0:
+            raise ValueError(f"{name}: step costs must be positive")
         self.name = name
         self.decode_ms = decode_ms
         self.verify_base_ms = verify_base_ms
