@@ -1,0 +1,130 @@
+"""Knobs of `--speculative-algorithm NGRAM_ADAPTIVE`, resolved from SGLang's server args.
+
+Pure Python (no sglang import) so it is testable anywhere. Where a knob comes from:
+
+- `--speculative-num-draft-tokens N`: the largest verify width (root + N-1 draft tokens); default 16.
+- `--speculative-ngram-max-trie-depth`: the cache's suffix depth (longest n-gram matched).
+- `--speculative-ngram-max-bfs-breadth`: 1 drafts chains only, >1 drafts trees.
+- `--speculative-adaptive-config FILE`: a JSON object with any of the keys of `ADAPTIVE_CONFIG_KEYS`
+  (candidate widths, fixed width, TP sync interval, controller options).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ALGORITHM_NAME = "NGRAM_ADAPTIVE"
+DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+DEFAULT_MAX_WIDTH = 16
+DEFAULT_MAX_RUNNING_REQUESTS = 48  # SGLang's NGRAM default, kept for a like-for-like comparison
+DEFAULT_TP_SYNC_INTERVAL = 8
+
+# SGLang `--speculative-ngram-*` options we do not use, with the reason shown to the user.
+IGNORED_NGRAM_OPTIONS = {
+    "speculative_ngram_min_bfs_breadth": "the suffix trie ranks children by count; there is no BFS breadth floor",
+    "speculative_ngram_match_type": "drafts are always ranked by estimated acceptance probability",
+}
+UNSUPPORTED_OPTIONS = {
+    "speculative_ngram_external_corpus_path": "external corpora are not supported by NGRAM_ADAPTIVE",
+}
+
+ADAPTIVE_CONFIG_KEYS = {
+    "widths": "candidate verify widths (ints >= 1; 1 = plain decode step)",
+    "fixed_width": "always verify at this width (disables adaptation; for A/B runs)",
+    "tree": "true: tree drafts, false: chain drafts (overrides --speculative-ngram-max-bfs-breadth)",
+    "max_depth": "suffix depth of the cache (overrides --speculative-ngram-max-trie-depth)",
+    "tp_sync_interval": "verify steps between broadcasts of rank 0's step timings (tensor parallel)",
+    "controller": "object passed to the adaptive controller as keyword options",
+}
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """Everything the NGRAM_ADAPTIVE worker needs, validated."""
+
+    widths: tuple[int, ...]
+    tree: bool = True
+    max_depth: int = 18
+    fixed_width: int | None = None
+    tp_sync_interval: int = DEFAULT_TP_SYNC_INTERVAL
+    controller: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        widths = tuple(self.widths)
+        if not widths or any(not _is_int(w) or w < 1 for w in widths):
+            raise ValueError(f"widths must be a non-empty list of ints >= 1, got {self.widths!r}")
+        if list(widths) != sorted(set(widths)):
+            raise ValueError(f"widths must be strictly increasing, got {self.widths!r}")
+        if not _is_int(self.max_depth) or self.max_depth < 1:
+            raise ValueError(f"max_depth must be an int >= 1, got {self.max_depth!r}")
+        if self.fixed_width is not None and self.fixed_width not in widths:
+            raise ValueError(f"fixed_width={self.fixed_width!r} is not one of widths {widths}")
+        if not _is_int(self.tp_sync_interval) or self.tp_sync_interval < 1:
+            raise ValueError(f"tp_sync_interval must be an int >= 1, got {self.tp_sync_interval!r}")
+        if not isinstance(self.tree, bool):
+            raise ValueError(f"tree must be true or false, got {self.tree!r}")
+        if not isinstance(self.controller, Mapping):
+            raise ValueError(f"controller must be a JSON object, got {self.controller!r}")
+        object.__setattr__(self, "widths", widths)
+
+    @property
+    def max_width(self) -> int:
+        return self.widths[-1]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def widths_up_to(max_width: int, base: tuple[int, ...] = DEFAULT_WIDTHS) -> tuple[int, ...]:
+    """The default candidate widths below `max_width`, plus `max_width` itself."""
+    if not _is_int(max_width) or max_width < 1:
+        raise ValueError(f"--speculative-num-draft-tokens must be an int >= 1, got {max_width!r}")
+    return tuple(w for w in base if w < max_width) + (max_width,)
+
+
+def load_adaptive_file(path: str) -> dict:
+    """Read and check a `--speculative-adaptive-config` JSON file for NGRAM_ADAPTIVE."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--speculative-adaptive-config {path!r}: no such file")
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-adaptive-config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--speculative-adaptive-config {path!r} must hold a JSON object")
+    unknown = sorted(set(data) - set(ADAPTIVE_CONFIG_KEYS))
+    if unknown:
+        hint = ""
+        if any(k.isdigit() for k in unknown):
+            hint = " (that looks like an EAGLE adaptive config keyed by batch size)"
+        raise ValueError(
+            f"--speculative-adaptive-config {path!r}: unknown key(s) {unknown}{hint}; "
+            f"NGRAM_ADAPTIVE accepts {sorted(ADAPTIVE_CONFIG_KEYS)}"
+        )
+    return data
+
+
+def resolve_config(args: Any) -> AdaptiveConfig:
+    """Build the config from an object with SGLang's `speculative_*` attributes (ServerArgs or a view)."""
+    max_width = getattr(args, "speculative_num_draft_tokens", None) or DEFAULT_MAX_WIDTH
+    file_path = getattr(args, "speculative_adaptive_config", None)
+    data = load_adaptive_file(file_path) if file_path else {}
+    widths = tuple(data["widths"]) if "widths" in data else widths_up_to(max_width)
+    if "widths" in data and widths and widths[-1] != max_width and getattr(args, "speculative_num_draft_tokens", None):
+        raise ValueError(
+            f"largest width in {file_path!r} ({widths[-1]}) differs from "
+            f"--speculative-num-draft-tokens ({max_width}); make them agree or drop one"
+        )
+    breadth = getattr(args, "speculative_ngram_max_bfs_breadth", 10)
+    return AdaptiveConfig(
+        widths=widths,
+        tree=data.get("tree", breadth is None or breadth > 1),
+        max_depth=data.get("max_depth", getattr(args, "speculative_ngram_max_trie_depth", 18)),
+        fixed_width=data.get("fixed_width"),
+        tp_sync_interval=data.get("tp_sync_interval", DEFAULT_TP_SYNC_INTERVAL),
+        controller=data.get("controller", {}),
+    )

@@ -1,0 +1,48 @@
+"""Prometheus gauges of NGRAM_ADAPTIVE, exported next to SGLang's `sglang:spec_*` metrics.
+
+Set once per SGLang decode log interval (`--decode-log-interval`) on TP rank 0, from the same
+interval SGLang's own `sglang:spec_accept_length` covers:
+
+- `ngramspec:verify_width`: mean verify width per request (1 = plain decode step).
+- `ngramspec:drafted_tokens`: real draft tokens per request and step (width minus root minus padding).
+- `ngramspec:predicted_accept_length` / `ngramspec:realized_accept_length`: 1 + expected accepted
+  drafts (sum of node probabilities of what was sent) vs 1 + drafts actually accepted.
+"""
+from __future__ import annotations
+
+GAUGES = {
+    "verify_width": ("ngramspec:verify_width", "Mean verify width per request (1 = plain decode)."),
+    "drafted_tokens": ("ngramspec:drafted_tokens", "Draft tokens sent per request and verify step."),
+    "predicted_accept_length": (
+        "ngramspec:predicted_accept_length",
+        "1 + expected accepted draft tokens per step, as the cache estimated them.",
+    ),
+    "realized_accept_length": (
+        "ngramspec:realized_accept_length",
+        "1 + accepted draft tokens per step, as verified.",
+    ),
+}
+SUMMARY_KEYS = {
+    "verify_width": "mean_verify_width",
+    "drafted_tokens": "drafted_tokens_per_request",
+    "predicted_accept_length": "predicted_accept_length",
+    "realized_accept_length": "realized_accept_length",
+}
+
+
+class NgramspecGauges:
+    """The gauges, created once per process (prometheus_client must be importable)."""
+
+    def __init__(self, labels: dict[str, str] | None = None):
+        from prometheus_client import Gauge
+
+        self.labels = dict(labels or {})
+        self._gauges = {
+            key: Gauge(name=name, documentation=doc, labelnames=list(self.labels), multiprocess_mode="mostrecent")
+            for key, (name, doc) in GAUGES.items()
+        }
+
+    def publish(self, summary: dict[str, float]) -> None:
+        for key, gauge in self._gauges.items():
+            target = gauge.labels(**self.labels) if self.labels else gauge
+            target.set(float(summary[SUMMARY_KEYS[key]]))
