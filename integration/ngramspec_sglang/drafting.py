@@ -280,6 +280,7 @@ class DraftPlanner:
             raise ValueError(f"draft lengths {lengths.tolist()} do not fit width {width} / drafts {sizes.tolist()}")
         kept = [d.prefix(int(k)) for d, k in zip(drafts, lengths)]
         roots = np.array([v.last_token() for v in views], dtype=np.int64)
-        tokens, mask, depths, r_index, r_next, r_sibling = self.layout(kept, roots, width)
+        lay = self.layout(kept, roots, width)
         predicted = np.array([float(d.probs.sum()) for d in kept], dtype=np.float64)
-        return StepPlan(width, lengths, predicted, tokens, mask, depths, r_index, r_next, r_sibling)
+        return StepPlan(width, lengths, predicted, lay.tokens, lay.mask, lay.depths, lay.retrieve_index,
+                        lay.retrieve_next_token, lay.retrieve_next_sibling)

@@ -1,0 +1,193 @@
+"""The SGLang worker's host-side logic (cache bookkeeping, width choice, TP determinism) on CPU, no sglang."""
+import json
+
+import numpy as np
+import pytest
+
+from ngramspec.cache import NgramCache
+from ngramspec_sglang.config import AdaptiveConfig, resolve_config, widths_up_to
+from ngramspec_sglang.drafting import (
+    DraftPlanner,
+    DurationSample,
+    FixedWidthController,
+    IntervalStats,
+    RequestView,
+)
+
+
+class RecordingController:
+    """Chooses a scripted width and records everything it observes."""
+
+    def __init__(self, widths_to_choose):
+        self.widths = list(widths_to_choose)
+        self.observed = []
+
+    def choose(self, drafts):
+        width = self.widths.pop(0)
+        return width, np.array([min(len(d), width - 1) for d in drafts], dtype=np.int64)
+
+    def observe(self, drafted, accepted, durations):
+        self.observed.append((drafted.tolist(), accepted.tolist(), list(durations)))
+
+
+def planner(widths=(1, 2, 4, 8), controller=None, **kw):
+    return DraftPlanner(AdaptiveConfig(widths=widths, max_depth=8), controller=controller, **kw)
+
+
+def test_cache_sees_each_committed_token_once_with_and_without_relay():
+    p = planner(controller=FixedWidthController(8))
+    prompt = [5, 6, 7, 8]
+    p.plan([RequestView("r", prompt, [])])
+    # overlap mode: the last step's tokens arrive first as `pending`, then show up in `output`
+    p.plan([RequestView("r", prompt, [], pending=[9, 10])])
+    p.plan([RequestView("r", prompt, [9, 10], pending=[11])])
+    p.plan([RequestView("r", prompt, [9, 10, 11, 12], pending=[])])
+    assert p.cache.history("r").tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def test_realized_acceptance_is_committed_growth_minus_bonus():
+    ctrl = RecordingController([8, 8, 8])
+    p = planner(controller=ctrl)
+    seq = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+    first = p.plan([RequestView("a", seq, []), RequestView("b", [9, 8, 7], [])])
+    assert first.drafted.tolist()[0] == 7  # the repeated pattern fills the chain
+    p.plan([RequestView("a", seq, [4, 1, 2]), RequestView("b", [9, 8, 7], [6])])
+    drafted, accepted, _ = ctrl.observed[-1]
+    assert drafted == [first.drafted[0], first.drafted[1]]
+    assert accepted == [2, 0]
+    assert p.stats.realized_accepted == 2 and p.stats.observed_requests == 2
+
+
+def test_width_one_is_a_root_only_step():
+    p = planner(controller=RecordingController([1]))
+    plan = p.plan([RequestView("a", [1, 2, 1, 2, 1], []), RequestView("b", [3, 4], [5])])
+    assert plan.width == 1
+    assert plan.tokens.tolist() == [[1], [5]]
+    assert plan.mask.tolist() == [[[True]], [[True]]]
+    assert plan.drafted.tolist() == [0, 0]
+
+
+def test_layout_rows_hold_root_then_prefix_of_the_draft():
+    p = planner(controller=FixedWidthController(4))
+    plan = p.plan([RequestView("a", [1, 2, 3, 1, 2, 3, 1, 2], [])])
+    assert plan.tokens.shape == (1, 4) and plan.mask.shape == (1, 4, 4)
+    assert plan.tokens[0, 0] == 2  # the root is the last committed token
+    assert plan.tokens[0, 1:].tolist() == [3, 1, 2]
+    assert plan.depths[0].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("width, lengths, message", [
+    (5, None, "not one of"),
+    (4, [4], "do not fit"),
+    (4, [1, 1], "draft lengths for 1 requests"),
+])
+def test_bad_controller_answers_raise(width, lengths, message):
+    class Bad:
+        def choose(self, drafts):
+            return width, np.array(lengths if lengths is not None else [0] * len(drafts))
+
+        def observe(self, *a):
+            pass
+
+    p = planner(controller=Bad())
+    with pytest.raises(ValueError, match=message):
+        p.plan([RequestView("a", [1, 2, 1, 2], [])])
+
+
+def test_tensor_parallel_ranks_make_identical_decisions():
+    """Rank-local timings differ; only rank 0's reach the controllers, on the same step, on every rank."""
+    mailbox = {}
+
+    def broadcast_rank0(obj):
+        mailbox["v"] = obj
+        return obj
+
+    def broadcast_other(obj):
+        return mailbox["v"]
+
+    ctrls = [RecordingController([8, 4, 8, 2, 8, 8]), RecordingController([8, 4, 8, 2, 8, 8])]
+    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2)
+    ranks = [DraftPlanner(cfg, controller=ctrls[0], is_timing_rank=True, broadcast=broadcast_rank0),
+             DraftPlanner(cfg, controller=ctrls[1], is_timing_rank=False, broadcast=broadcast_other)]
+    out = [[1, 2, 3, 4, 1, 2, 3]]
+    plans = [[], []]
+    for step in range(6):
+        for r, p in enumerate(ranks):  # rank 0 runs first in each step, as a collective would order it
+            plans[r].append(p.plan([RequestView("x", out[0][:3], out[0][3:])]))
+            p.record_duration(plans[r][-1].width, 1, 0.010 + 0.001 * step + 0.5 * r)  # rank-local timings
+        out[0] = out[0] + [1 + step % 4]
+    for a, b in zip(*plans):
+        assert a.width == b.width
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.mask, b.mask)
+    assert ctrls[0].observed == ctrls[1].observed
+    seen = [d for _, _, ds in ctrls[0].observed for d in ds]
+    assert seen and all(isinstance(d, DurationSample) and d.seconds < 0.5 for d in seen)  # rank 0's only
+
+
+def test_released_output_is_drafted_for_a_new_request():
+    p = planner(controller=FixedWidthController(8))
+    p.plan([RequestView("old", [100, 101], [7, 8, 9, 10, 11, 12])])
+    p.release(["old"])
+    assert "old" not in p.tracked_requests and "old" not in p.cache
+    plan = p.plan([RequestView("new", [50, 7, 8, 9], [])])
+    assert plan.tokens[0, 1:4].tolist() == [10, 11, 12]
+
+
+def test_interval_stats_mean_width_makes_sglang_rate_exact():
+    stats = IntervalStats()
+    p = planner(controller=RecordingController([8, 4]))
+    p.stats = stats
+    p.plan([RequestView("a", [1, 2, 1, 2, 1, 2], []), RequestView("b", [3], [])])
+    p.plan([RequestView("a", [1, 2, 1, 2, 1, 2], [1]), RequestView("b", [3], [4])])
+    # SGLang: accept_rate = correct / (forward_ct * (num_draft_tokens - 1)); forward_ct counts requests
+    assert stats.verified_requests * (stats.mean_width() - 1) == pytest.approx(stats.drafted_tokens)
+    stats.reset()
+    assert stats.verified_requests == 0 and stats.mean_width() == 1.0
+
+
+def test_views_reject_empty_requests_and_batches():
+    p = planner()
+    with pytest.raises(ValueError):
+        p.plan([])
+    with pytest.raises(ValueError, match="no tokens"):
+        p.plan([RequestView("e", [], [])])
+
+
+def test_widths_up_to_and_resolve_config(tmp_path):
+    assert widths_up_to(16) == (1, 2, 3, 4, 6, 8, 12, 16)
+    assert widths_up_to(10) == (1, 2, 3, 4, 6, 8, 10)
+    with pytest.raises(ValueError):
+        widths_up_to(0)
+
+    class Args:
+        speculative_num_draft_tokens = None
+        speculative_adaptive_config = None
+        speculative_ngram_max_bfs_breadth = 1
+        speculative_ngram_max_trie_depth = 12
+
+    cfg = resolve_config(Args())
+    assert cfg.max_width == 16 and cfg.tree is False and cfg.max_depth == 12
+
+    path = tmp_path / "ngram.json"
+    path.write_text(json.dumps({"widths": [1, 4, 8], "fixed_width": 4, "controller": {"alpha": 0.1}}))
+    Args.speculative_adaptive_config = str(path)
+    cfg = resolve_config(Args())
+    assert cfg.widths == (1, 4, 8) and cfg.fixed_width == 4 and cfg.controller == {"alpha": 0.1}
+
+    path.write_text(json.dumps({"1": {"candidate_steps": [1, 3]}}))
+    with pytest.raises(ValueError, match="EAGLE"):
+        resolve_config(Args())
+    path.write_text(json.dumps({"widths": [1, 4], "fixed_width": 3}))
+    with pytest.raises(ValueError, match="fixed_width"):
+        resolve_config(Args())
+    Args.speculative_adaptive_config = str(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="no such file"):
+        resolve_config(Args())
+
+
+def test_planner_uses_the_cache_it_is_given():
+    cache = NgramCache(max_depth=4, max_requests=4)
+    p = DraftPlanner(AdaptiveConfig(widths=(1, 4), max_depth=4), cache=cache, controller=FixedWidthController(4))
+    p.plan([RequestView("a", [1, 2, 1, 2], [])])
+    assert "a" in cache
