@@ -1,0 +1,304 @@
+"""The speculative decoding loop: draft from `NgramCache`, verify a tree in one forward, keep the accepted path.
+
+Conventions (the same as the trace simulator's, so its replay of our outputs is comparable step for step):
+the prompt minus its last token is prefilled; every decode step has the last committed token as root, verifies
+root + draft in one forward and commits the accepted draft tokens plus one bonus token. Plain greedy decoding is
+the same loop with no draft (width 1), so both share every kernel but the verify width.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from .model import KVModel
+
+PREFILL_CHUNK = 512
+
+
+class DraftPolicy(Protocol):
+    """How much to draft and verify. The seam for `ngramspec.controller`."""
+
+    tree: bool
+
+    def budgets(self, n_requests: int) -> int | Sequence[int]:
+        """Node budget per request passed to `NgramCache.propose`."""
+
+    def choose(self, batch) -> tuple[int, np.ndarray]:
+        """(verify width n incl. the root, nodes kept per request) for a `DraftBatch`; kept[i] <= n - 1."""
+
+    def observe(self, width: int, kept: np.ndarray, accepted: np.ndarray, seconds: float) -> None:
+        """Feedback after a step: draft nodes verified and accepted per request, wall time of the step."""
+
+
+class FixedPolicy:
+    """Draft up to `k` nodes (chain or tree), verify all of them; width = 1 + longest draft in the batch."""
+
+    def __init__(self, k: int, tree: bool):
+        if not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        self.k, self.tree = int(k), bool(tree)
+
+    @property
+    def name(self) -> str:
+        return f"{'tree' if self.tree else 'chain'}:k={self.k}"
+
+    def budgets(self, n_requests: int) -> int:
+        return self.k
+
+    def choose(self, batch) -> tuple[int, np.ndarray]:
+        kept = np.minimum(np.diff(np.asarray(batch.offsets)), self.k)
+        return 1 + int(kept.max(initial=0)), kept
+
+    def observe(self, width, kept, accepted, seconds) -> None:
+        pass
+
+
+@dataclass
+class StepRecord:
+    width: int
+    kept: list[int]        # draft nodes verified, per active request
+    accepted: list[int]    # draft nodes accepted, per active request
+    seconds: float
+
+
+@dataclass
+class GenerationResult:
+    outputs: list[list[int]]
+    steps: list[int]               # decode steps each request took
+    prefill_seconds: float
+    decode_seconds: float
+    records: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def accept_length(self) -> float:
+        """Committed tokens per request-step (accepted + bonus), the simulator's accept_len."""
+        return self.new_tokens / max(1, sum(self.steps))
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def widths(self) -> list[int]:
+        return [r.width for r in self.records]
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Verifier:
+    """Builds one verify forward for a batch of tree drafts and reads the greedy verdict."""
+
+    def __init__(self, kv: KVModel, runner=None):
+        self.kv = kv
+        self.runner = runner  # optional CUDA-graph runner with the same call signature as kv.forward
+
+    def forward(self, tokens, positions, slots, mask):
+        if self.runner is not None:
+            return self.runner(tokens, positions, slots, mask)
+        return self.kv.forward(tokens, positions, slots, mask, rows=slice(0, tokens.shape[0]))
+
+
+def tree_rows(tokens: np.ndarray, parents: np.ndarray, root: int, width: int):
+    """Rows of one request's verify block: (tokens [width], parent rows [width], depths [width], ancestor mask
+    [width, width]). Row 0 is the root; draft node j is row j+1; unused rows are padding under the root."""
+    count = len(tokens)
+    if count > width - 1:
+        raise ValueError(f"draft of {count} nodes does not fit width {width}")
+    row_tokens = np.zeros(width, np.int64)
+    row_parent = np.zeros(width, np.int64)
+    depth = np.ones(width, np.int64)
+    anc = np.zeros((width, width), bool)
+    anc[:, 0] = True
+    anc[np.arange(width), np.arange(width)] = True
+    row_tokens[0], row_parent[0], depth[0] = root, -1, 0
+    for j in range(count):
+        p = int(parents[j]) + 1
+        if not 0 <= p <= j:
+            raise ValueError(f"draft node {j} has parent {parents[j]}: parents must precede children")
+        r = j + 1
+        row_tokens[r], row_parent[r], depth[r] = tokens[j], p, depth[p] + 1
+        anc[r] = anc[p]
+        anc[r, r] = True
+    return row_tokens, row_parent, depth, anc
+
+
+def greedy_walk(row_tokens: np.ndarray, row_parent: np.ndarray, count: int, predicted: np.ndarray) -> list[int]:
+    """Rows accepted by greedy verification: from the root, follow the child whose token the model predicted."""
+    path, r = [], 0
+    while True:
+        want = predicted[r]
+        nxt = -1
+        for c in range(1, count + 1):
+            if row_parent[c] == r and row_tokens[c] == want:
+                nxt = c
+                break
+        if nxt < 0:
+            return path
+        path.append(nxt)
+        r = nxt
+
+
+class SpecDecoder:
+    """Greedy decoding of a batch of prompts, with optional n-gram speculation.
+
+    One decoder owns one `KVModel` (its batch rows and slots). `generate` decodes up to `kv.batch` prompts
+    together; the `NgramCache`, if any, is the caller's and persists across calls (its shared part learns).
+    """
+
+    def __init__(self, kv: KVModel, runner=None):
+        self.kv = kv
+        self.verifier = Verifier(kv, runner)
+        self.device = kv.device
+
+    # -- prefill --------------------------------------------------------------------------------------
+    def _prefill(self, row: int, tokens: Sequence[int]) -> None:
+        dev = self.device
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = torch.as_tensor(tokens[start:start + PREFILL_CHUNK], dtype=torch.long, device=dev)[None]
+            m = chunk.shape[1]
+            pos = torch.arange(start, start + m, device=dev)[None]
+            L = start + m
+            mask = torch.arange(L, device=dev)[None, None, :] <= pos[:, :, None]
+            self.kv.forward(chunk, pos, pos, mask, rows=slice(row, row + 1))
+
+    # -- decode ---------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, policy: DraftPolicy | None = None,
+                 cache=None, rids: Sequence | None = None, eos_token_id: int | None = None,
+                 share: bool = True, progress=None) -> GenerationResult:
+        """Decode greedily up to `max_new_tokens` per prompt (fewer if `eos_token_id` is emitted).
+
+        With `policy` (and `cache`, an `NgramCache`), drafts are verified each step; outputs are identical to
+        plain greedy decoding up to floating-point ties. `rids` name the requests in the cache (default 0..B-1);
+        `share` is passed to `finish_request`. `progress` (a tqdm bar or None) is advanced by committed tokens.
+        """
+        B = len(prompts)
+        if not 1 <= B <= self.kv.batch:
+            raise ValueError(f"need 1..{self.kv.batch} prompts, got {B}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if (policy is None) != (cache is None):
+            raise ValueError("policy and cache go together: both for speculation, neither for plain greedy")
+        prompts = [[int(t) for t in p] for p in prompts]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt")
+        rids = list(range(B)) if rids is None else list(rids)
+        if len(rids) != B:
+            raise ValueError(f"{len(rids)} rids for {B} prompts")
+        vocab = self.kv.shape.vocab
+        if any(t < 0 or t >= vocab for p in prompts for t in p):
+            raise ValueError(f"prompt token outside [0, {vocab})")
+        longest = max(len(p) for p in prompts)
+        max_width = 1 + (max(np.atleast_1d(policy.budgets(B))) if policy is not None else 0)
+        if longest + max_new_tokens + max_width > self.kv.max_len:
+            raise ValueError(f"prompt {longest} + {max_new_tokens} new + width {max_width} exceeds the KV cache "
+                             f"({self.kv.max_len} slots)")
+
+        runner = self.verifier.runner
+        if runner is not None:
+            if B != self.kv.batch:
+                raise ValueError(f"CUDA graphs were captured for batch {self.kv.batch}, got {B} prompts")
+            runner.prepare(range(1, max_width + 1))
+        dev = self.device
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            self._prefill(i, p[:-1])
+        _sync(dev)
+        prefill_seconds = time.perf_counter() - t0
+
+        length = np.array([len(p) - 1 for p in prompts], np.int64)   # valid cache slots per row
+        root = np.array([p[-1] for p in prompts], np.int64)           # last committed token, not yet in cache
+        outputs: list[list[int]] = [[] for _ in range(B)]
+        steps = [0] * B
+        active = np.ones(B, bool)
+        records: list[StepRecord] = []
+        if cache is not None:
+            for rid, p in zip(rids, prompts):
+                cache.start_request(rid, p)
+
+        t0 = time.perf_counter()
+        while active.any():
+            t_step = time.perf_counter()
+            act = np.flatnonzero(active)
+            drafts = [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * B
+            kept = np.zeros(len(act), np.int64)
+            width = 1
+            if policy is not None:
+                batch = cache.propose([rids[i] for i in act], policy.budgets(len(act)), tree=policy.tree)
+                width, kept = policy.choose(batch)
+                kept = np.asarray(kept, np.int64)
+                if width < 1 or len(kept) != len(act) or (kept > width - 1).any() or (kept < 0).any():
+                    raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {len(act)} requests")
+                for j, i in enumerate(act):
+                    d = batch.draft(j)
+                    drafts[i] = (np.asarray(d.tokens[:kept[j]]), np.asarray(d.parents[:kept[j]]))
+            rows = [tree_rows(drafts[i][0], drafts[i][1], root[i], width) for i in range(B)]
+            tok = np.stack([r[0] for r in rows])
+            depth = np.stack([r[2] for r in rows])
+            anc = np.stack([r[3] for r in rows])
+            L = int(length.max()) + width
+            predicted = self._verify(tok, depth, anc, length, L)
+
+            accepted_counts = np.zeros(len(act), np.int64)
+            mv_rows, mv_src, mv_dst = [], [], []
+            for j, i in enumerate(act):
+                row_tokens, row_parent = rows[i][0], rows[i][1]
+                path = greedy_walk(row_tokens, row_parent, len(drafts[i][0]), predicted[i])
+                accepted_counts[j] = len(path)
+                new = [int(row_tokens[r]) for r in path] + [int(predicted[i][path[-1] if path else 0])]
+                for depth_k, r in enumerate(path, start=1):
+                    if r != depth_k:
+                        mv_rows.append(i)
+                        mv_src.append(length[i] + r)
+                        mv_dst.append(length[i] + depth_k)
+                room = max_new_tokens - len(outputs[i])
+                new = new[:room]
+                if eos_token_id is not None and eos_token_id in new:
+                    new = new[:new.index(eos_token_id) + 1]
+                outputs[i].extend(new)
+                steps[i] += 1
+                length[i] += 1 + len(path)
+                root[i] = new[-1]
+                if cache is not None:
+                    cache.add_tokens(rids[i], new)
+                if len(outputs[i]) >= max_new_tokens or (eos_token_id is not None and new[-1] == eos_token_id):
+                    active[i] = False
+                if progress is not None:
+                    progress.update(len(new))
+            self.kv.move(mv_rows, mv_src, mv_dst)
+            seconds = time.perf_counter() - t_step
+            if policy is not None:
+                policy.observe(width, kept, accepted_counts, seconds)
+            records.append(StepRecord(width, kept.tolist(), accepted_counts.tolist(), seconds))
+        _sync(dev)
+        decode_seconds = time.perf_counter() - t0
+        if cache is not None:
+            for rid in rids:
+                cache.finish_request(rid, share=share)
+        return GenerationResult(outputs, steps, prefill_seconds, decode_seconds, records)
+
+    def _verify(self, tok, depth, anc, length, L) -> np.ndarray:
+        """Greedy prediction `[B, width]` after each row of the verify block."""
+        dev = self.device
+        B, n = tok.shape
+        length_t = torch.as_tensor(length, device=dev)
+        offs = torch.arange(n, device=dev)
+        tokens = torch.as_tensor(tok, device=dev)
+        positions = length_t[:, None] + torch.as_tensor(depth, device=dev)
+        slots = length_t[:, None] + offs[None]
+        if self.verifier.runner is not None:
+            L = self.kv.max_len
+        mask = (torch.arange(L, device=dev)[None, None, :] < length_t[:, None, None]).expand(B, n, L).clone()
+        mask.scatter_(2, slots[:, None, :].expand(B, n, n), torch.as_tensor(anc, device=dev))
+        logits = self.verifier.forward(tokens, positions, slots, mask)
+        return logits.argmax(-1).cpu().numpy()

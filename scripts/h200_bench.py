@@ -1,0 +1,149 @@
+"""End-to-end speed of the reference engine: plain greedy vs speculation, batch 1 and 16, copy-heavy and free text.
+
+    python scripts/h200_bench.py --out out/ [--gguf PATH] [--policies plain,tree:k=8,adaptive] [--batches 1,16]
+                                 [--modes eager,graph] [--max-new-tokens 256] [--prompts 16]
+
+For every workload x batch x mode it runs each policy on the same prompts (a fresh NgramCache per run, kept
+across the run's requests) and records tokens/s of the decode phase, accept length, verify widths and whether
+the outputs equal plain greedy's. Batch 1 decodes the prompts one after another; batch B decodes them B at a
+time. Results, per-step records included, go to OUT/bench.json (and the plain batch-1 outputs to OUT/trace_<workload>.jsonl.gz, for the
+simulator check). Each configuration is guarded: a failure is recorded and the rest still runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def run_config(model, prompts, batch, mode, spec, max_new, eos):
+    import numpy as np
+
+    from ngramspec import NgramCache
+    from ngramspec.engine.decode import SpecDecoder
+    from ngramspec.engine.model import GraphRunner, KVModel
+    from ngramspec.engine.policy import make_policy
+
+    policy = make_policy(spec)
+    max_width = 1 + (int(np.max(policy.budgets(batch))) if policy else 0)
+    kv = KVModel(model, batch=batch, max_len=max(map(len, prompts)) + max_new + max_width + 1)
+    runner = GraphRunner(kv) if mode == "graph" else None
+    if runner is not None:
+        runner.prepare(range(1, max_width + 1))
+    decoder = SpecDecoder(kv, runner)
+    cache = NgramCache() if policy else None
+    outputs, steps, records = [], [], []
+    decode_s = prefill_s = 0.0
+    for start in range(0, len(prompts), batch):
+        group = prompts[start:start + batch]
+        if len(group) < batch:
+            break
+        res = decoder.generate(group, max_new, policy=policy, cache=cache,
+                               rids=list(range(start, start + batch)) if policy else None, eos_token_id=eos)
+        outputs += res.outputs
+        steps += res.steps
+        records += [{"width": r.width, "kept": r.kept, "accepted": r.accepted, "ms": r.seconds * 1e3}
+                    for r in res.records]
+        decode_s += res.decode_seconds
+        prefill_s += res.prefill_seconds
+    tokens = sum(map(len, outputs))
+    widths = Counter(r["width"] for r in records)
+    return {
+        "outputs": outputs, "steps": steps, "tokens": tokens, "decode_s": decode_s, "prefill_s": prefill_s,
+        "tok_s": tokens / decode_s, "accept_length": tokens / max(1, sum(steps)),
+        "batch_steps": len(records), "mean_step_ms": 1e3 * decode_s / max(1, len(records)),
+        "widths": {str(w): widths[w] for w in sorted(widths)},
+        "mean_width": sum(r["width"] for r in records) / max(1, len(records)),
+        "records": records,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--gguf", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--policies", default="plain,tree:k=8,adaptive")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--modes", default="eager,graph")
+    parser.add_argument("--workloads", default="copy,free")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per workload (<= 16)")
+    parser.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from ngramspec.engine.model import load_model
+    from ngramspec.engine.policy import controller_available
+    from ngramspec.engine.prompts import chat_tokens, copy_heavy_prompts, free_text_prompts
+    from ngramspec.engine.trace import write_trace
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    policies = [p for p in args.policies.split(",") if p]
+    if "adaptive" in policies and not controller_available():
+        print("ngramspec.controller missing: skipping policy 'adaptive'", flush=True)
+        policies.remove("adaptive")
+    if policies[0] != "plain":
+        raise SystemExit("the first policy must be 'plain' (the reference for identity and speedup)")
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(args.gguf, args.device, getattr(torch, args.dtype))
+    device = next(model.parameters()).device
+    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "ignore_eos": args.ignore_eos, "load_s": time.perf_counter() - t0, "policies": policies}
+    print(json.dumps(meta), flush=True)
+    eos = None if args.ignore_eos else tokenizer.eos_token_id
+    texts = {"copy": copy_heavy_prompts(), "free": free_text_prompts()}
+    workloads = {w: [chat_tokens(tokenizer, t) for t in texts[w][:args.prompts]] for w in args.workloads.split(",")}
+    modes = [m for m in args.modes.split(",") if m and (m != "graph" or device.type == "cuda")]
+
+    # warm-up: numba JIT of the cache, CUDA kernels, allocator
+    run_config(model, workloads[next(iter(workloads))][:1], 1, "eager", policies[-1], 16, eos)
+
+    results = []
+    for workload, prompts in workloads.items():
+        for batch in [int(b) for b in args.batches.split(",")]:
+            for mode in modes:
+                plain = None
+                for spec in policies:
+                    tag = f"{workload} b{batch} {mode} {spec}"
+                    try:
+                        r = run_config(model, prompts, batch, mode, spec, args.max_new_tokens, eos)
+                    except Exception as exc:  # keep going: one broken configuration must not lose the others
+                        traceback.print_exc()
+                        results.append({"workload": workload, "batch": batch, "mode": mode, "policy": spec,
+                                        "error": f"{type(exc).__name__}: {exc}"})
+                        continue
+                    if spec == "plain":
+                        plain = r
+                        if batch == 1 and mode == "eager":
+                            write_trace(out / f"trace_{workload}.jsonl.gz", prompts, r["outputs"],
+                                        workload=f"engine-{workload}")
+                    n = len(r["outputs"])
+                    same = [a == b for a, b in zip(r["outputs"], plain["outputs"])] if plain else []
+                    row = {"workload": workload, "batch": batch, "mode": mode, "policy": spec,
+                           "requests": n, **{k: v for k, v in r.items() if k != "outputs"},
+                           "speedup": r["tok_s"] / plain["tok_s"] if plain else None,
+                           "identical": sum(same), "first_divergence": [
+                               next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                               for a, b in zip(r["outputs"], plain["outputs"]) if a != b] if plain else []}
+                    results.append(row)
+                    print(f"{tag:26s} tok/s {row['tok_s']:8.1f}  x{row['speedup']:.2f}  accept "
+                          f"{row['accept_length']:.2f}  width {row['mean_width']:.2f}  step {row['mean_step_ms']:.2f} ms"
+                          f"  same {row['identical']}/{n}", flush=True)
+                    (out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
