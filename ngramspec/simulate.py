@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -195,12 +194,13 @@ def run_all(trace_paths, method_specs, profile_specs, batches, jobs: int = 1, ma
             progress: bool = True) -> list[dict]:
     """Replay every (trace, method, batch), once per profile only where the method needs it; cost them all."""
     profiles = [get_profile(p) for p in profile_specs]
-    methods = {spec: make_method(spec) for spec in method_specs}  # validates specs before any replay
+    # building each method once validates its spec before any replay starts
+    per_profile = {spec: make_method(spec).profile_dependent for spec in method_specs}
     tasks = []
     for path in trace_paths:
         for batch in batches:
             for spec in dict.fromkeys([BASELINE, *method_specs]):
-                if spec in methods and methods[spec].profile_dependent:
+                if per_profile.get(spec):
                     tasks += [(str(path), spec, batch, p, max_requests) for p in profile_specs]
                 else:
                     tasks.append((str(path), spec, batch, None, max_requests))
