@@ -80,6 +80,9 @@ def share_tokens(nodes, table, meta, root, arena, seg, state, tokens, max_depth,
         while meta[M_CAP] - meta[M_LIVE] < max_depth + 1 and state[S_COUNT] > 1:
             evict_oldest(nodes, table, meta, root, arena, seg, state, max_depth)
         if meta[M_CAP] - meta[M_LIVE] < max_depth + 1:
+            # no room even after evicting every older output: keep only the indexed part of this one
+            arena[p:w + L + 1] = -1
+            seg[t, 1] = seg[t, 2]
             break
         # positions are ring offsets; the segment's -1 terminator bounds every tail
         insert_token(nodes, table, meta, root, active, arena, A, p, max_depth)

@@ -133,6 +133,7 @@ def free_node(nodes, table, meta, n):
     nodes[n, TAIL] = -1
     nodes[n, CHILD] = -1
     nodes[n, PREV] = -1
+    nodes[n, DEP] = -1  # marks a free node
     nodes[n, NEXT] = meta[M_FREE]
     meta[M_FREE] = n
     meta[M_LIVE] -= 1
@@ -188,7 +189,9 @@ def extend(nodes, table, meta, n, token, pos, arena, alen, max_depth):
         nodes[c, CNT] = 2
         nodes[n, TAIL] = -1
         if depth < max_depth:
-            nodes[c, TAIL] = tl + 1
+            # the earlier occurrence keeps riding from tl + 1, unless its segment ended there
+            if _arena_token(arena, alen, tl + 1) >= 0:
+                nodes[c, TAIL] = tl + 1
             return c
         return -1
     if tail_tok < 0:  # no (live) tail: this occurrence becomes the tail
@@ -198,7 +201,9 @@ def extend(nodes, table, meta, n, token, pos, arena, alen, max_depth):
     if c < 0:
         return -1
     nodes[c, CNT] = 1
-    if depth < max_depth:
+    # ride our own continuation: in a request's history it is still to come (pos + 1 == alen); in the shared
+    # ring a -1 there means this output ended, and no pointer may outlive its segment
+    if depth < max_depth and (pos + 1 >= alen or arena[pos + 1] >= 0):
         nodes[c, TAIL] = pos + 1
     return -1
 
@@ -243,6 +248,8 @@ def remove_occurrence(nodes, table, meta, root, arena, alen, start, end, max_dep
                 c = nxt
             return
         n = c
+    if nodes[n, TAIL] == stop:  # our own continuation past the indexed part
+        nodes[n, TAIL] = -1
 
 
 @njit(cache=True)
