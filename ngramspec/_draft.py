@@ -135,25 +135,13 @@ def _heap_pop(h_prob, h_seq, h_idx, size):
 
 @njit(cache=True)
 def draft_tree(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_depth,
-               buf, o_tok, o_par, o_prob, base):
+               buf, o_tok, o_par, o_prob, base, si, sf, h_seq):
     """Best-first tree: repeatedly add the frontier node of highest path probability (product of empirical
     conditional frequencies). Output is in that order, so parents precede children, probabilities never grow
     along a path, and every prefix of the output is the best tree of its size. Returns the node count."""
-    cap = budget * (budget + 1) + 1
-    c_tok = np.empty(cap, np.int32)   # candidates: token, parent draft index, trie position, path probability
-    c_par = np.empty(cap, np.int32)
-    c_node = np.empty(cap, np.int32)
-    c_off = np.empty(cap, np.int32)
-    c_prob = np.empty(cap, np.float64)
-    h_prob = np.empty(cap, np.float64)
-    h_seq = np.empty(cap, np.int64)
-    h_idx = np.empty(cap, np.int32)
-    d_node = np.empty(budget, np.int32)
-    d_off = np.empty(budget, np.int32)
-    t_tok = np.empty(budget, np.int32)
-    t_node = np.empty(budget, np.int32)
-    t_off = np.empty(budget, np.int32)
-    t_cnt = np.empty(budget, np.int32)
+    c_tok, c_par, c_node, c_off, h_idx = si[0], si[1], si[2], si[3], si[4]  # candidates and heap, scratch
+    t_tok, t_node, t_off, t_cnt = si[5], si[6], si[7], si[8]
+    c_prob, h_prob = sf[0], sf[1]
     ctx = min(hlen, max_depth - 1)
     ncand = 0
     hsize = 0
@@ -195,7 +183,6 @@ def draft_tree(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_
         o_tok[base + done] = c_tok[ci]
         o_par[base + done] = c_par[ci]
         o_prob[base + done] = c_prob[ci]
-        d_node[done], d_off[done] = c_node[ci], c_off[ci]
         pn, poff, parent, pprob = c_node[ci], c_off[ci], done, c_prob[ci]
         done += 1
     return done
@@ -218,6 +205,10 @@ def propose_batch(slots, budgets, tree, max_depth,
     for i in range(B):
         maxb = max(maxb, budgets[i])
     buf = np.empty(max_depth + maxb + 1, np.int32)
+    cap = maxb * (maxb + 1) + 1
+    si = np.empty((9, cap), np.int32)
+    sf = np.empty((2, cap), np.float64)
+    h_seq = np.empty(cap, np.int64)
     s_alen = s_arena.shape[0]
     pos = 0
     offsets[0] = 0
@@ -241,7 +232,7 @@ def propose_batch(slots, budgets, tree, max_depth,
         if ml > 0 and ml >= ms:
             if tree:
                 k = draft_tree(l_nodes, l_table, roots[r], hist, hlen, ln, loff, hist, hlen, budgets[i],
-                               max_depth, buf, o_tok, o_par, o_prob, pos)
+                               max_depth, buf, o_tok, o_par, o_prob, pos, si, sf, h_seq)
             else:
                 k = draft_chain(l_nodes, l_table, roots[r], hist, hlen, ln, loff, hist, hlen, budgets[i],
                                 max_depth, buf, o_tok, o_par, o_prob, pos)
@@ -249,7 +240,7 @@ def propose_batch(slots, budgets, tree, max_depth,
             src = SRC_SHARED
             if tree:
                 k = draft_tree(s_nodes, s_table, s_root, s_arena, s_alen, sn, soff, hist, hlen, budgets[i],
-                               max_depth, buf, o_tok, o_par, o_prob, pos)
+                               max_depth, buf, o_tok, o_par, o_prob, pos, si, sf, h_seq)
             else:
                 k = draft_chain(s_nodes, s_table, s_root, s_arena, s_alen, sn, soff, hist, hlen, budgets[i],
                                 max_depth, buf, o_tok, o_par, o_prob, pos)

@@ -71,20 +71,15 @@ class DraftBatch:
 
 def as_tokens(tokens, what: str = "tokens", allow_empty: bool = True) -> np.ndarray:
     """Validate token ids and return them as a contiguous int32 array. Raises TypeError / ValueError."""
-    if isinstance(tokens, np.ndarray):
-        arr = tokens
-    else:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
-            raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
-        items = list(tokens)
-        for t in items:
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"{what} must hold integer token ids, found {t!r} ({type(t).__name__})")
-        arr = np.array(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (np.ndarray, Iterable)):
+        raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(list(tokens))
+    if arr.size == 0 and not isinstance(tokens, np.ndarray):
+        arr = np.zeros(0, dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
-        raise TypeError(f"{what} must have an integer dtype, got {arr.dtype}")
+        raise TypeError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
     if arr.size == 0:
         if not allow_empty:
             raise ValueError(f"{what} must not be empty")
@@ -133,7 +128,8 @@ class NgramCache:
         self._since = np.zeros(R, dtype=np.int64)
         self._epoch_seen = np.full(R, -1, dtype=np.int64)
         empty = np.zeros(1, dtype=np.int32)
-        self._hists = typed.List([empty for _ in range(R)])
+        self._hists = typed.List([empty for _ in range(R)])  # for the jitted kernels
+        self._hist_arrays = [empty] * R  # the same arrays: typed.List is slow to index from Python
         self._scratch = np.empty(int(local_nodes), dtype=np.int32)
         self._share_active = np.full(D, -1, dtype=np.int32)
         self._slot_of: dict[Hashable, int] = {}
@@ -159,8 +155,8 @@ class NgramCache:
         self._match[slot] = 0
         self._since[slot] = 0
         self._epoch_seen[slot] = -1
-        self._hists[slot] = np.empty(max(64, 2 * toks.size), dtype=np.int32)
-        self._append([slot], [toks])
+        self._set_hist(slot, np.empty(max(64, 2 * toks.size), dtype=np.int32))
+        self._append([slot], toks, [toks.size])
 
     def add_tokens(self, rid: Hashable, tokens) -> None:
         """Append tokens the model committed for ``rid`` (accepted draft tokens + the bonus token)."""
@@ -173,8 +169,18 @@ class NgramCache:
         slots = self._slots(rids)
         if len(set(slots)) != len(slots):
             raise ValueError("a request id appears twice in one batch")
-        arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
-        self._append(slots, arrays)
+        if all(isinstance(t, np.ndarray) for t in token_lists):
+            arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
+            flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+            lengths = [a.size for a in arrays]
+        else:  # lists of ints: validate the whole batch at once (one numpy conversion)
+            for rid, t in zip(rids, token_lists):
+                if isinstance(t, (str, bytes)) or not isinstance(t, (np.ndarray, Iterable)):
+                    raise TypeError(f"tokens of request {rid!r} must be a sequence of integer token ids")
+            lists = [t.tolist() if isinstance(t, np.ndarray) else list(t) for t in token_lists]
+            lengths = [len(t) for t in lists]
+            flat = as_tokens([x for t in lists for x in t], "tokens")
+        self._append(slots, flat, lengths)
 
     def propose(self, rids: Sequence[Hashable], budgets=8, tree: bool = True) -> DraftBatch:
         """Draft up to ``budgets[i]`` tokens for each request (a chain when ``tree`` is False)."""
@@ -184,10 +190,10 @@ class NgramCache:
             budgets = [budgets] * B
         if len(budgets) != B:
             raise ValueError(f"{B} request ids but {len(budgets)} budgets")
-        for b in budgets:
-            if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or b < 1:
-                raise ValueError(f"budgets must be integers >= 1, got {b!r}")
-        bud = np.asarray(budgets, dtype=np.int64)
+        bud = np.asarray(budgets)
+        if bud.dtype.kind not in "iu" or (B and int(bud.min()) < 1):
+            raise ValueError(f"budgets must be integers >= 1, got {list(np.atleast_1d(budgets))!r}")
+        bud = bud.astype(np.int64)
         total = int(bud.sum())
         o_tok = np.empty(total, np.int32)
         o_par = np.empty(total, np.int32)
@@ -206,14 +212,14 @@ class NgramCache:
         """Free the request's state; with ``share`` its output (tokens after the prompt) joins the shared cache."""
         slot = self._slots([rid])[0]
         if share and self.use_shared:
-            out = np.array(self._hists[slot][self._prompt_len[slot]:self._hlens[slot]], dtype=np.int32)
+            out = np.array(self._hist_arrays[slot][self._prompt_len[slot]:self._hlens[slot]], dtype=np.int32)
             if out.size:
                 self._share_active[:] = -1
                 _shared.share_tokens(self._s_nodes, self._s_table, self._s_meta, self._s_root, self._arena,
                                      self._seg, self._ring, out, self.max_depth, self._share_active)
         _trie.free_subtree(self._l_nodes, self._l_table, self._l_meta, int(self._roots[slot]), self._scratch)
         self._roots[slot] = -1
-        self._hists[slot] = np.zeros(1, dtype=np.int32)
+        self._set_hist(slot, np.zeros(1, dtype=np.int32))
         self._hlens[slot] = 0
         del self._slot_of[rid]
         self._free_slots.append(slot)
@@ -228,7 +234,7 @@ class NgramCache:
 
     def history(self, rid: Hashable) -> np.ndarray:
         slot = self._slots([rid])[0]
-        return np.array(self._hists[slot][: self._hlens[slot]])
+        return np.array(self._hist_arrays[slot][: self._hlens[slot]])
 
     def count(self, ngram, source: str = "own", rid: Hashable | None = None) -> int:
         """Occurrences of ``ngram`` (length <= max_depth) in a request's own history or in the shared cache."""
@@ -237,7 +243,7 @@ class NgramCache:
             raise ValueError(f"ngram longer than max_depth={self.max_depth}")
         if source == "own":
             slot = self._slots([rid])[0]
-            hist = self._hists[slot]
+            hist = self._hist_arrays[slot]
             return int(_trie.count_ngram(self._l_nodes, self._l_table, int(self._roots[slot]), hist,
                                          int(self._hlens[slot]), seq, 0, seq.size))
         if source == "shared":
@@ -248,7 +254,7 @@ class NgramCache:
     def match_length(self, rid: Hashable, source: str = "own") -> int:
         """Length of the longest suffix of the request's history seen before with a continuation (<= D-1)."""
         slot = self._slots([rid])[0]
-        hist, hlen = self._hists[slot], int(self._hlens[slot])
+        hist, hlen = self._hist_arrays[slot], int(self._hlens[slot])
         if source == "own":
             m, _, _ = _trie.longest_match(self._l_nodes, self._l_table, int(self._roots[slot]), hist, hlen,
                                           hist, hlen, self.max_depth - 1)
@@ -262,7 +268,7 @@ class NgramCache:
     def stats(self) -> dict:
         """Node and token usage, and the bytes held by the cache's arrays."""
         nbytes = sum(a.nbytes for a in (self._l_nodes, self._l_table, self._s_nodes, self._s_table, self._arena))
-        nbytes += sum(int(self._hists[s].nbytes) for s in self._slot_of.values())
+        nbytes += sum(int(self._hist_arrays[s].nbytes) for s in self._slot_of.values())
         return {
             "active_requests": len(self._slot_of),
             "local_nodes_live": int(self._l_meta[_trie.M_LIVE]),
@@ -288,17 +294,20 @@ class NgramCache:
         except TypeError as e:
             raise TypeError(f"request ids must be hashable: {e}") from None
 
-    def _append(self, slots: list[int], arrays: list[np.ndarray]) -> None:
-        for slot, a in zip(slots, arrays):
-            need = int(self._hlens[slot]) + a.size
-            hist = self._hists[slot]
-            if need > hist.size:
-                grown = np.empty(max(need, 2 * hist.size), dtype=np.int32)
-                grown[: self._hlens[slot]] = hist[: self._hlens[slot]]
-                self._hists[slot] = grown
-        flat = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
-        np.cumsum([a.size for a in arrays], out=offsets[1:])
+    def _set_hist(self, slot: int, arr: np.ndarray) -> None:
+        self._hists[slot] = arr
+        self._hist_arrays[slot] = arr
+
+    def _append(self, slots: list[int], flat: np.ndarray, lengths: list[int]) -> None:
+        for slot, k in zip(slots, lengths):
+            n = int(self._hlens[slot])
+            hist = self._hist_arrays[slot]
+            if n + k > hist.size:
+                grown = np.empty(max(n + k, 2 * hist.size), dtype=np.int32)
+                grown[:n] = hist[:n]
+                self._set_hist(slot, grown)
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
         _draft.append_batch(np.asarray(slots, dtype=np.int64), flat, offsets, self.max_depth, self._l_nodes,
                             self._l_table, self._l_meta, self._roots, self._hists, self._hlens, self._active,
                             self._since)
