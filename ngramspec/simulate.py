@@ -242,6 +242,25 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_wide(rows: list[dict]) -> str:
+    """One line per (trace, method): tokens per step per batch size, then speedup per (profile, batch)."""
+    batches = list(dict.fromkeys(r["batch"] for r in rows))
+    panels = list(dict.fromkeys((r["profile"], r["batch"]) for r in rows))
+    index = {(r["trace"], r["method"], r["profile"], r["batch"]): r for r in rows}
+    heads = ["trace", "method"] + [f"accept_len b{b}" for b in batches] + [f"drafted/step b{b}" for b in batches] \
+        + [f"speedup {p} b{b}" for p, b in panels]
+    lines = ["| " + " | ".join(heads) + " |", "|---|---|" + "---:|" * (len(heads) - 2)]
+    for trace, method in dict.fromkeys((r["trace"], r["method"]) for r in rows):
+        def pick(batch, profile=None):
+            profile = profile or next(p for p, b in panels if b == batch)
+            return index[(trace, method, profile, batch)]
+        cells = [f"{pick(b)['accept_len']:.3f}" for b in batches] + \
+                [f"{pick(b)['drafted_per_step']:.2f}" for b in batches] + \
+                [f"{pick(b, p)['speedup']:.3f}" for p, b in panels]
+        lines.append(f"| {trace} | {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: str) -> None:
     """Speedup by trace and method, one panel per (profile, batch)."""
     import matplotlib
@@ -281,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="FILE.png", help="draw speedup by trace and method")
     parser.add_argument("--jobs", type=int, default=1, help="replays run in parallel processes")
     parser.add_argument("--max-requests", type=int, help="replay only the first N requests of each trace")
+    parser.add_argument("--wide", action="store_true",
+                        help="print one line per (trace, method) with every profile and batch side by side")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     batches = args.batch or [1]
@@ -293,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ngramspec simulate: error: {exc}", file=sys.stderr)
         return 2
     table_out = sys.stderr if args.json == "-" else sys.stdout
-    print(format_table(rows), file=table_out)
+    print(format_wide(rows) if args.wide else format_table(rows), file=table_out)
     if args.json == "-":
         json.dump(rows, sys.stdout, indent=1)
         print()
