@@ -193,7 +193,7 @@ def propose_batch(slots, budgets, tree, max_depth,
                   l_nodes, l_table, roots, hists, hlens,
                   s_nodes, s_table, s_root, s_arena,
                   match_len, since, epoch_seen, epoch, use_shared,
-                  o_tok, o_par, o_prob, o_src, offsets):
+                  o_tok, o_par, o_prob, o_src, offsets, o_mlen):
     """Draft for every request of a batch in one call. Output is flat; request i owns offsets[i]:offsets[i+1].
 
     Source choice: the longer match wins (own history vs shared cache); on a tie, own history. Match lengths are
@@ -225,6 +225,7 @@ def propose_batch(slots, budgets, tree, max_depth,
             ms, sn, soff = longest_match(s_nodes, s_table, s_root, s_arena, s_alen, hist, hlen, m_hi)
         match_len[r, 0] = ml
         match_len[r, 1] = ms
+        o_mlen[i] = ml if ml >= ms else ms
         since[r] = 0
         epoch_seen[r] = epoch
         k = 0

@@ -57,6 +57,7 @@ class DraftBatch:
     probs: np.ndarray
     sources: np.ndarray
     offsets: np.ndarray
+    match_lens: np.ndarray  # per request: length of the suffix match the draft grew from (0: no draft)
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0] - 1)
@@ -200,13 +201,14 @@ class NgramCache:
         o_prob = np.empty(total, np.float32)
         o_src = np.empty(total, np.int8)
         offsets = np.empty(B + 1, np.int64)
+        mlens = np.zeros(B, np.int64)
         n = _draft.propose_batch(
             np.asarray(slots, dtype=np.int64), bud, bool(tree), self.max_depth,
             self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
             self._s_nodes, self._s_table, self._s_root, self._arena,
             self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
-            o_tok, o_par, o_prob, o_src, offsets)
-        return DraftBatch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets)
+            o_tok, o_par, o_prob, o_src, offsets, mlens)
+        return DraftBatch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
 
     def finish_request(self, rid: Hashable, share: bool = True) -> None:
         """Free the request's state; with ``share`` its output (tokens after the prompt) joins the shared cache."""
