@@ -101,6 +101,17 @@ def validate_server_args(server_args) -> None:
         raise ValueError(f"{ALGORITHM_NAME} does not support pipeline parallelism (--pp-size > 1)")
     if getattr(server_args, "dp_size", 1) > 1 and getattr(server_args, "enable_dp_attention", False):
         raise ValueError(f"{ALGORITHM_NAME} does not support DP attention (same limit as NGRAM)")
+    if getattr(server_args, "enable_lora", None) or getattr(server_args, "lora_paths", None):
+        raise ValueError(
+            f"{ALGORITHM_NAME} does not support LoRA: its per-width verify graphs do not rebuild LoRA "
+            "cuda-graph metadata (the same limit as --speculative-adaptive)"
+        )
+    for flag in ("enable_two_batch_overlap", "enable_pdmux"):
+        if getattr(server_args, flag, False):
+            raise ValueError(
+                f"{ALGORITHM_NAME} does not support --{flag.replace('_', '-')}: swapping the per-width "
+                "attention backend would bypass its wrapper (the same limit as --speculative-adaptive)"
+            )
     if server_args.device not in (None, "cuda", "cpu", "xpu"):
         raise ValueError(f"{ALGORITHM_NAME} supports CUDA, CPU or XPU devices, got {server_args.device!r}")
     resolve_config(server_args)  # raises on a bad --speculative-adaptive-config / width

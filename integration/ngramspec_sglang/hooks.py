@@ -2,15 +2,15 @@
 
 Handled here (through SGLang's `HookRegistry`, applied by `load_plugins()`):
 
-- `arg_groups.lora_hook.check_lora_speculative_compatibility`: NGRAM skips the check (the target is
-  the only model, so adapters apply as in plain decode); NGRAM_ADAPTIVE is the same, so it skips too.
 - `SchedulerMetricsReporter.report_decode_stats`: SGLang's decode log and `sglang:spec_accept_rate`
   divide correct drafts by `forward_ct * (speculative_num_draft_tokens - 1)`. With a width that
   changes every step, the report runs under a scoped `speculative_num_draft_tokens` equal to
   1 + the interval's mean drafted tokens per request, which makes that quotient exactly
   correct drafts / drafted tokens. `spec_accept_length` needs no fix (it counts accepted tokens).
 
-Left as they are (documented in docs/sglang.md): the external-corpus endpoints in
+Left as they are (documented in docs/sglang.md): the LoRA allow-list in `lora_hook.py` (LoRA is
+rejected, and our validator says why first: per-width verify graphs, like `--speculative-adaptive`,
+do not rebuild LoRA cuda-graph metadata), the external-corpus endpoints in
 `tokenizer_control_mixin.py` answer "not enabled" (NGRAM_ADAPTIVE has no external corpus), the
 watermark allow-list in `validation_hook.py` rejects `--enable-watermark`, and the SM100 NVFP4
 allow-list in `kv_cache_hook.py` rejects NGRAM_ADAPTIVE on that path.
@@ -19,21 +19,11 @@ from __future__ import annotations
 
 from .config import ALGORITHM_NAME
 
-LORA_CHECK = "sglang.srt.arg_groups.lora_hook.check_lora_speculative_compatibility"
 DECODE_REPORT = (
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 )
 
 _registered = False
-
-
-def skip_lora_check_for_us(original, server_args, *args, **kwargs):
-    """AROUND hook: treat NGRAM_ADAPTIVE like NGRAM in the LoRA/speculative compatibility check."""
-    from sglang.srt.arg_groups.overrides import resolving_view
-
-    if resolving_view(server_args).speculative_algorithm == ALGORITHM_NAME:
-        return None
-    return original(server_args, *args, **kwargs)
 
 
 def report_with_mean_width(original, reporter, *args, **kwargs):
@@ -59,6 +49,5 @@ def register_hooks() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(LORA_CHECK, skip_lora_check_for_us, HookType.AROUND)
     HookRegistry.register(DECODE_REPORT, report_with_mean_width, HookType.AROUND)
     _registered = True

@@ -1,0 +1,212 @@
+"""The plugin against the real sglang package, on CPU: discovery, server-args resolution, the algorithm
+object, the worker factory, and the metrics hook. What needs a GPU is in docs/sglang.md."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+pytestmark = pytest.mark.sglang
+REPO = Path(__file__).resolve().parents[2]
+ALGO = "NGRAM_ADAPTIVE"
+TINY_LLAMA = {  # a config.json only: server-args resolution reads the model config, never weights
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 1000,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+}
+
+
+def installed_entry_point():
+    return [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "ngram_adaptive"]
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    """A fresh interpreter: plugins load once per process, as in SGLang's spawned workers."""
+    full_env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    full_env.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=full_env, timeout=600, cwd=REPO)
+
+
+needs_install = pytest.mark.skipif(
+    not installed_entry_point(), reason="ngramspec is not installed here (pip install -e '.[sglang]')"
+)
+
+
+@needs_install
+def test_entry_point_is_discovered_by_sglang_load_plugins():
+    proc = run_python("""
+        import json
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        algo = SpeculativeAlgorithm.from_string("ngram_adaptive")
+        from sglang.srt.managers.scheduler_components.metrics_reporter import SchedulerMetricsReporter
+        print(json.dumps({"type": type(algo).__name__, "name": algo.name, "ngram": algo.is_ngram(),
+                          "hooked": hasattr(SchedulerMetricsReporter.report_decode_stats, "__wrapped__")}))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"type": "NgramAdaptiveAlgo", "name": ALGO, "ngram": True, "hooked": True}
+
+
+@needs_install
+def test_sglang_plugins_allow_list_is_respected():
+    proc = run_python("""
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        try:
+            SpeculativeAlgorithm.from_string("NGRAM_ADAPTIVE")
+        except ValueError as e:
+            print("rejected:", e)
+    """, SGLANG_PLUGINS="some_other_plugin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rejected: Unknown speculative algorithm name" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    """Register in this process (what the entry point does) and apply the hooks."""
+    import ngramspec_sglang
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    ngramspec_sglang.register()
+    ngramspec_sglang.register()  # idempotent: SGLang calls it in every process, maybe twice
+    HookRegistry.apply_hooks()
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return SpeculativeAlgorithm.from_string(ALGO)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return path
+
+
+def resolve(plugin, model_dir, *extra):
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(["--model-path", str(model_dir), "--device", "cpu",
+                                "--speculative-algorithm", "ngram_adaptive", *extra])
+    args.resolve_once()
+    return args
+
+
+def test_command_line_resolves_our_defaults(plugin, model_dir):
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    view = resolved_view(resolve(plugin, model_dir))
+    assert view.speculative_algorithm == ALGO
+    assert view.speculative_num_draft_tokens == 16  # our default largest width
+    assert view.max_running_requests == 48
+    assert view.speculative_eagle_topk == 1
+    assert view.speculative_num_steps == 15
+    assert view.enable_mixed_chunk is False
+    assert view.disable_overlap_schedule is True  # CPU device: SGLang has no speculative overlap there
+    assert view.speculative_adaptive is False  # EAGLE's knob stays off; we always adapt
+
+
+def test_command_line_knobs_reach_our_config(plugin, model_dir, tmp_path):
+    from sglang.srt.arg_groups.overrides import resolved_view
+    from ngramspec_sglang.config import resolve_config
+
+    cfg_file = tmp_path / "adaptive.json"
+    cfg_file.write_text(json.dumps({"widths": [1, 2, 4, 8], "tp_sync_interval": 4}))
+    args = resolve(plugin, model_dir, "--speculative-num-draft-tokens", "8", "--speculative-ngram-max-trie-depth",
+                   "12", "--speculative-ngram-max-bfs-breadth", "1", "--speculative-adaptive-config", str(cfg_file),
+                   "--max-running-requests", "7")
+    view = resolved_view(args)
+    assert view.max_running_requests == 7
+    cfg = resolve_config(view)
+    assert cfg.widths == (1, 2, 4, 8) and cfg.max_depth == 12 and cfg.tree is False and cfg.tp_sync_interval == 4
+    assert plugin.resolve_max_speculative_num_draft_tokens(args) == 8
+
+
+@pytest.fixture(scope="module")
+def published(plugin, model_dir):
+    """Publish a resolved config in this process, as the scheduler does before building workers."""
+    from sglang.srt.runtime_context import get_context
+
+    get_context().set_server_args(resolve(plugin, model_dir, "--speculative-num-draft-tokens", "12"))
+
+
+def test_published_spec_bag_carries_the_largest_width(published):
+    from sglang.srt.runtime_context import get_spec
+    from ngramspec_sglang.config import resolve_config
+
+    spec = get_spec()
+    assert spec.max_speculative_num_draft_tokens == 12  # KV reservation and FutureMap rows
+    assert resolve_config(spec).widths == (1, 2, 3, 4, 6, 8, 12)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--speculative-ngram-external-corpus-path", "/tmp/corpus.jsonl"], "external corpora"),
+    (["--pp-size", "2"], "pipeline parallelism"),
+    (["--lora-paths", "a=/tmp/lora"], "LoRA"),
+    (["--speculative-num-draft-tokens", "8", "--speculative-adaptive-config", "{missing}"], "no such file"),
+])
+def test_unsupported_command_lines_fail_with_a_reason(plugin, model_dir, tmp_path, extra, message):
+    extra = [e.replace("{missing}", str(tmp_path / "nope.json")) for e in extra]
+    with pytest.raises(ValueError, match=message):
+        resolve(plugin, model_dir, *extra)
+
+
+def test_algorithm_answers_every_enum_predicate_like_ngram(plugin):
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    ngram = SpeculativeAlgorithm.NGRAM
+    for name in vars(SpeculativeAlgorithm):
+        if name.startswith(("is_", "supports_")) and name not in ("is_some", "is_none", "is_speculative"):
+            assert getattr(plugin, name)() == getattr(ngram, name)(), name
+    # the methods SGLang 0.5.23's CustomSpecAlgo lacks and the scheduler calls at start-up
+    assert plugin.carries_draft_hidden_states() is False
+    assert plugin.need_topk() is False
+    assert callable(plugin.create_future_map)
+    assert plugin.has_draft_kv() is False and plugin.is_speculative() and not plugin.is_none()
+
+
+def test_factory_returns_our_worker_or_fails_only_for_lack_of_a_gpu(plugin, model_dir):
+    args = resolve(plugin, model_dir)
+    try:
+        worker_cls = plugin.create_worker(args)
+    except ImportError as e:  # CPU machine: sgl_kernel cannot load without libcuda
+        assert "libcuda" in str(e) or "sgl_kernel" in str(e), e
+        pytest.skip(f"worker import needs a GPU build of sglang: {str(e).splitlines()[0] or e}")
+    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+
+    assert worker_cls.__name__ == "NgramAdaptiveWorker" and issubclass(worker_cls, NGRAMWorker)
+
+
+def test_decode_report_runs_with_the_mean_width(published):
+    """SGLang's rate formula, evaluated inside our hook, gives correct drafts / drafted tokens."""
+    from types import SimpleNamespace
+
+    from sglang.srt.runtime_context import get_spec
+    from ngramspec_sglang.drafting import IntervalStats
+    from ngramspec_sglang.hooks import report_with_mean_width
+
+    stats = IntervalStats(verified_requests=10, drafted_tokens=23)
+    published = []
+    worker = SimpleNamespace(interval_stats=stats, ngramspec_on_decode_log=lambda: published.append(True))
+    reporter = SimpleNamespace(scheduler=SimpleNamespace(draft_worker=worker), spec_num_forward_ct=10,
+                               spec_num_correct_drafts=12)
+
+    def sglang_formula(rep):  # metrics_reporter.report_decode_stats, speculative part
+        draft_per_round = get_spec().speculative_num_draft_tokens - 1
+        rate = rep.spec_num_correct_drafts / (rep.spec_num_forward_ct * draft_per_round)
+        rep.spec_num_forward_ct = 0
+        return rate
+
+    before = get_spec().speculative_num_draft_tokens
+    assert report_with_mean_width(sglang_formula, reporter) == pytest.approx(12 / 23)
+    assert get_spec().speculative_num_draft_tokens == before  # scoped: restored afterwards
+    assert published == [True]
