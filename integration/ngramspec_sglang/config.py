@@ -31,12 +31,13 @@ UNSUPPORTED_OPTIONS = {
 }
 
 ADAPTIVE_CONFIG_KEYS = {
-    "widths": "candidate verify widths (ints >= 1; 1 = plain decode step)",
+    "widths": "candidate verify widths (ints >= 1; 1 = plain decode step, always added)",
     "fixed_width": "always verify at this width (disables adaptation; for A/B runs)",
     "tree": "true: tree drafts, false: chain drafts (overrides --speculative-ngram-max-bfs-breadth)",
     "max_depth": "suffix depth of the cache (overrides --speculative-ngram-max-trie-depth)",
     "tp_sync_interval": "verify steps between broadcasts of rank 0's step timings (tensor parallel)",
-    "controller": "object passed to the adaptive controller as keyword options",
+    "controller": "keyword options of ngramspec.controller.AdaptiveController (prior: calibration JSON path, "
+    "explore_every, prior_strength, prior_scale, request_alpha)",
 }
 
 
@@ -57,6 +58,8 @@ class AdaptiveConfig:
             raise ValueError(f"widths must be a non-empty list of ints >= 1, got {self.widths!r}")
         if list(widths) != sorted(set(widths)):
             raise ValueError(f"widths must be strictly increasing, got {self.widths!r}")
+        if widths[0] != 1:
+            widths = (1,) + widths  # the plain decode step is always available (as the controller assumes)
         if not _is_int(self.max_depth) or self.max_depth < 1:
             raise ValueError(f"max_depth must be an int >= 1, got {self.max_depth!r}")
         if self.fixed_width is not None and self.fixed_width not in widths:

@@ -4,20 +4,20 @@ No sglang or torch import: the worker hands in plain request views and gets back
 everything here runs (and is tested) on CPU. One `DraftPlanner` per scheduler process (= per TP rank).
 
 Tensor-parallel determinism: every rank sees the same batches and the same committed tokens, so the
-cache proposes the same drafts and realized acceptance is the same. The only rank-local input is the
-measured verify duration; those samples are collected on TP rank 0 only and handed to the controller
-on every rank at the same step (every `tp_sync_interval` verify steps) through `broadcast`, which the
-worker binds to SGLang's TP CPU-group `broadcast_object`. Decisions therefore depend on tokens,
-acceptance and rank 0's timings only, and are identical on all ranks.
+cache proposes the same drafts and the controller sees the same acceptance. The only rank-local input
+is the measured verify duration: samples are collected on TP rank 0 only and handed to the controller
+(`observe_step`) on every rank at the same step (every `tp_sync_interval` verify steps) through
+`broadcast`, which the worker binds to SGLang's TP `broadcast_object` (CPU group). Decisions therefore
+depend on tokens, acceptance and rank 0's timings only, and are identical on all ranks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from ngramspec.cache import Draft, NgramCache
+from ngramspec.cache import NgramCache
 
 from .config import AdaptiveConfig
 
@@ -65,43 +65,46 @@ class DurationSample:
     seconds: float
 
 
-class WidthController(Protocol):
-    """The controller hook: pick a batch width and per-request draft lengths, learn from outcomes."""
-
-    def choose(self, drafts: Sequence[Draft]) -> tuple[int, np.ndarray]: ...
-
-    def observe(self, drafted: np.ndarray, accepted: np.ndarray, durations: Sequence[DurationSample]) -> None: ...
-
-
 class FixedWidthController:
-    """Verify every step at one width; each request sends as many draft nodes as fit (width - 1)."""
+    """Verify every step at one width; each request sends as many draft nodes as fit (width - 1).
+
+    Same interface as `ngramspec.controller.AdaptiveController` (start, finish, plan, observe_tokens,
+    observe_step); used for `fixed_width` A/B runs."""
 
     def __init__(self, width: int):
-        if not isinstance(width, int) or width < 1:
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
             raise ValueError(f"width must be an int >= 1, got {width!r}")
         self.width = width
 
-    def choose(self, drafts: Sequence[Draft]) -> tuple[int, np.ndarray]:
-        lengths = np.array([min(len(d), self.width - 1) for d in drafts], dtype=np.int64)
-        return self.width, lengths
+    def start(self, rid) -> None:
+        pass
 
-    def observe(self, drafted, accepted, durations) -> None:
-        return None
+    def finish(self, rid) -> None:
+        pass
+
+    def plan(self, rids, batch):
+        from ngramspec.controller import Plan
+
+        lengths = np.minimum(np.diff(batch.offsets), self.width - 1)
+        return Plan(self.width, lengths, float(len(rids)), 1.0, "fixed")
+
+    def observe_tokens(self, rid, committed) -> None:
+        pass
+
+    def observe_step(self, batch: int, width: int, duration_ms: float) -> None:
+        pass
 
 
-def make_controller(config: AdaptiveConfig) -> WidthController:
-    """The adaptive controller of `ngramspec.controller`, or a fixed width when configured / not available.
-
-    Hook for issue 4: until `ngramspec.controller` exposes `make_sglang_controller(widths, **options)`
-    returning a `WidthController`, NGRAM_ADAPTIVE runs at the largest width (NGRAM-like behaviour).
-    """
+def make_controller(config: AdaptiveConfig):
+    """`ngramspec.controller.AdaptiveController` over the configured widths, or a fixed width."""
     if config.fixed_width is not None:
         return FixedWidthController(config.fixed_width)
+    from ngramspec.controller import AdaptiveController
+
     try:
-        from ngramspec.controller import make_sglang_controller  # type: ignore[attr-defined]
-    except ImportError:
-        return FixedWidthController(config.max_width)
-    return make_sglang_controller(config.widths, **dict(config.controller))
+        return AdaptiveController(config.widths, **dict(config.controller))
+    except TypeError as e:
+        raise ValueError(f"bad \"controller\" options in --speculative-adaptive-config: {e}") from None
 
 
 @dataclass
@@ -110,7 +113,8 @@ class StepPlan:
 
     width: int
     drafted: np.ndarray  # int64 [B]: real draft nodes per request (the rest of the row is padding)
-    predicted: np.ndarray  # float64 [B]: expected accepted draft tokens (sum of node probabilities)
+    expected_tokens: float  # the controller's expected committed tokens this step (bonus included)
+    reason: str  # why this width ("best", "explore", "no-draft", "fixed")
     tokens: np.ndarray
     mask: np.ndarray
     depths: np.ndarray
@@ -127,22 +131,20 @@ class IntervalStats:
     verified_requests: int = 0
     width_tokens: int = 0  # sum over requests of the verify width
     drafted_tokens: int = 0
-    predicted_accepted: float = 0.0
+    expected_tokens: float = 0.0  # the controller's expectation, bonus included
     observed_requests: int = 0
     realized_accepted: int = 0
-    predicted_for_observed: float = 0.0
 
     def record_step(self, plan: StepPlan) -> None:
         self.verify_steps += 1
         self.verified_requests += int(plan.drafted.size)
         self.width_tokens += plan.width * int(plan.drafted.size)
         self.drafted_tokens += int(plan.drafted.sum())
-        self.predicted_accepted += float(plan.predicted.sum())
+        self.expected_tokens += float(plan.expected_tokens)
 
-    def record_outcome(self, predicted: np.ndarray, accepted: np.ndarray) -> None:
+    def record_outcome(self, accepted: np.ndarray) -> None:
         self.observed_requests += int(accepted.size)
         self.realized_accepted += int(accepted.sum())
-        self.predicted_for_observed += float(predicted.sum())
 
     def mean_width(self) -> float:
         """1 + drafted tokens per verified request: SGLang's accept rate is exact under this width."""
@@ -150,12 +152,11 @@ class IntervalStats:
 
     def summary(self) -> dict[str, float]:
         n = max(1, self.verified_requests)
-        m = max(1, self.observed_requests)
         return {
             "mean_verify_width": self.width_tokens / n,
             "drafted_tokens_per_request": self.drafted_tokens / n,
-            "predicted_accept_length": 1.0 + self.predicted_for_observed / m,
-            "realized_accept_length": 1.0 + self.realized_accepted / m,
+            "predicted_accept_length": self.expected_tokens / n,
+            "realized_accept_length": 1.0 + self.realized_accepted / max(1, self.observed_requests),
         }
 
     def reset(self) -> None:
@@ -168,13 +169,13 @@ def _identity_broadcast(obj):
 
 
 class DraftPlanner:
-    """Keeps the cache in step with committed tokens and turns drafts into verify plans."""
+    """Keeps cache and controller in step with committed tokens and turns drafts into verify plans."""
 
     def __init__(
         self,
         config: AdaptiveConfig,
         cache: NgramCache | None = None,
-        controller: WidthController | None = None,
+        controller=None,
         *,
         is_timing_rank: bool = True,
         broadcast: Callable[[Any], Any] = _identity_broadcast,
@@ -191,34 +192,29 @@ class DraftPlanner:
         self.layout = layout
         self.stats = IntervalStats()
         self._fed: dict[Hashable, int] = {}  # committed tokens the cache has seen, per request
-        # per request in the last plan: (committed length at planning, drafted, predicted)
-        self._last: dict[Hashable, tuple[int, int, float]] = {}
+        self._last: dict[Hashable, tuple[int, int]] = {}  # rid -> (committed length at planning, drafted)
         self._local_durations: list[DurationSample] = []
         self._steps = 0
 
     # ----------------------------------------------------------------------------------- per step
     def plan(self, views: Sequence[RequestView]) -> StepPlan:
-        """Sync the cache with `views`, learn from the previous step, choose width and drafts."""
+        """Sync cache and controller with `views`, share timings, choose width and drafts."""
         if not views:
             raise ValueError("plan() needs at least one request")
-        drafted_prev, accepted_prev, predicted_prev = self._sync(views)
-        durations: list[DurationSample] = []
+        self.stats.record_outcome(self._sync(views))
         if self._steps % self.config.tp_sync_interval == 0:
-            durations = list(self.broadcast(self._local_durations if self.is_timing_rank else None) or [])
+            samples = self.broadcast(self._local_durations if self.is_timing_rank else None) or []
             self._local_durations = []
-        if drafted_prev.size or durations:
-            self.stats.record_outcome(predicted_prev, accepted_prev)
-            self.controller.observe(drafted_prev, accepted_prev, durations)
+            for s in samples:
+                self.controller.observe_step(s.batch_size, s.width, s.seconds * 1000.0)
         self._steps += 1
 
         rids = [v.rid for v in views]
-        budget = max(1, self.config.max_width - 1)
-        batch = self.cache.propose(rids, budget, tree=self.config.tree)
-        drafts = [batch.draft(i) for i in range(len(rids))]
-        width, lengths = self.controller.choose(drafts)
-        plan = self._build(views, drafts, width, lengths)
-        for v, k, p in zip(views, plan.drafted, plan.predicted):
-            self._last[v.rid] = (v.committed_len, int(k), float(p))
+        batch = self.cache.propose(rids, max(1, self.config.max_width - 1), tree=self.config.tree)
+        decision = self.controller.plan(rids, batch)
+        plan = self._build(views, batch, decision)
+        for v, k in zip(views, plan.drafted):
+            self._last[v.rid] = (v.committed_len, int(k))
         self.stats.record_step(plan)
         return plan
 
@@ -227,23 +223,24 @@ class DraftPlanner:
         if self.is_timing_rank:
             self._local_durations.append(DurationSample(int(width), int(batch_size), float(seconds)))
 
-    def release(self, rids: Sequence[Hashable]) -> None:
+    def release(self, rids) -> None:
         """Requests that left the decode batch: their output joins the shared cache."""
         for rid in rids:
             if rid in self._fed:
                 del self._fed[rid]
                 self._last.pop(rid, None)
                 self.cache.finish_request(rid, share=True)
+                self.controller.finish(rid)
 
     @property
     def tracked_requests(self) -> set:
         return set(self._fed)
 
     # ------------------------------------------------------------------------------------- inner
-    def _sync(self, views: Sequence[RequestView]):
-        """Feed new committed tokens; return (drafted, accepted, predicted) of the previous plan."""
-        new_rids, new_tokens = [], []
-        drafted, accepted, predicted = [], [], []
+    def _sync(self, views: Sequence[RequestView]) -> np.ndarray:
+        """Feed tokens committed since the last plan to cache and controller; return the draft tokens
+        accepted per request of the last plan (committed growth minus the bonus token)."""
+        new_rids, new_tokens, accepted = [], [], []
         for v in views:
             total = v.committed_len
             fed = self._fed.get(v.rid)
@@ -252,35 +249,34 @@ class DraftPlanner:
                     raise ValueError(f"request {v.rid!r} has no tokens")
                 prompt = list(v.prompt) if len(v.prompt) else v.tail(0)[:1]
                 self.cache.start_request(v.rid, prompt)
+                self.controller.start(v.rid)
                 fed = len(prompt)
                 self._fed[v.rid] = fed
             if total > fed:
+                tokens = v.tail(fed)
                 new_rids.append(v.rid)
-                new_tokens.append(v.tail(fed))
+                new_tokens.append(tokens)
                 self._fed[v.rid] = total
+                self.controller.observe_tokens(v.rid, tokens)
             last = self._last.pop(v.rid, None)
             if last is not None and total > last[0]:
-                planned_len, k, p = last
-                drafted.append(k)
-                accepted.append(min(k, total - planned_len - 1))
-                predicted.append(p)
+                accepted.append(max(0, min(last[1], total - last[0] - 1)))
         if new_rids:
             self.cache.add_tokens_batch(new_rids, new_tokens)
-        return (np.asarray(drafted, dtype=np.int64), np.asarray(accepted, dtype=np.int64),
-                np.asarray(predicted, dtype=np.float64))
+        return np.asarray(accepted, dtype=np.int64)
 
-    def _build(self, views, drafts, width, lengths) -> StepPlan:
+    def _build(self, views, batch, decision) -> StepPlan:
+        width = int(decision.width)
         if width not in self.config.widths:
             raise ValueError(f"controller chose width {width}, not one of {self.config.widths}")
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if lengths.shape != (len(drafts),):
-            raise ValueError(f"controller returned {lengths.shape} draft lengths for {len(drafts)} requests")
-        sizes = np.array([len(d) for d in drafts], dtype=np.int64)
+        lengths = np.asarray(decision.lengths, dtype=np.int64)
+        if lengths.shape != (len(views),):
+            raise ValueError(f"controller returned {lengths.shape} draft lengths for {len(views)} requests")
+        sizes = np.diff(batch.offsets)
         if (lengths < 0).any() or (lengths > width - 1).any() or (lengths > sizes).any():
             raise ValueError(f"draft lengths {lengths.tolist()} do not fit width {width} / drafts {sizes.tolist()}")
-        kept = [d.prefix(int(k)) for d, k in zip(drafts, lengths)]
+        kept = [batch.draft(i).prefix(int(k)) for i, k in enumerate(lengths)]
         roots = np.array([v.last_token() for v in views], dtype=np.int64)
         lay = self.layout(kept, roots, width)
-        predicted = np.array([float(d.probs.sum()) for d in kept], dtype=np.float64)
-        return StepPlan(width, lengths, predicted, lay.tokens, lay.mask, lay.depths, lay.retrieve_index,
-                        lay.retrieve_next_token, lay.retrieve_next_sibling)
+        return StepPlan(width, lengths, float(decision.expected), str(decision.reason), lay.tokens, lay.mask,
+                        lay.depths, lay.retrieve_index, lay.retrieve_next_token, lay.retrieve_next_sibling)

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from ngramspec.cache import NgramCache
+from ngramspec.controller import AdaptiveController, Plan
 from ngramspec_sglang.config import AdaptiveConfig, resolve_config, widths_up_to
 from ngramspec_sglang.drafting import (
     DraftPlanner,
@@ -12,22 +13,32 @@ from ngramspec_sglang.drafting import (
     FixedWidthController,
     IntervalStats,
     RequestView,
+    make_controller,
 )
 
 
 class RecordingController:
-    """Chooses a scripted width and records everything it observes."""
+    """Chooses scripted widths (same interface as AdaptiveController) and records what it is told."""
 
     def __init__(self, widths_to_choose):
         self.widths = list(widths_to_choose)
-        self.observed = []
+        self.tokens, self.steps, self.started, self.finished = [], [], [], []
 
-    def choose(self, drafts):
+    def start(self, rid):
+        self.started.append(rid)
+
+    def finish(self, rid):
+        self.finished.append(rid)
+
+    def plan(self, rids, batch):
         width = self.widths.pop(0)
-        return width, np.array([min(len(d), width - 1) for d in drafts], dtype=np.int64)
+        return Plan(width, np.minimum(np.diff(batch.offsets), width - 1), float(len(rids)), 1.0, "scripted")
 
-    def observe(self, drafted, accepted, durations):
-        self.observed.append((drafted.tolist(), accepted.tolist(), list(durations)))
+    def observe_tokens(self, rid, committed):
+        self.tokens.append((rid, list(committed)))
+
+    def observe_step(self, batch, width, duration_ms):
+        self.steps.append((batch, width, duration_ms))
 
 
 def planner(widths=(1, 2, 4, 8), controller=None, **kw):
@@ -52,10 +63,11 @@ def test_realized_acceptance_is_committed_growth_minus_bonus():
     first = p.plan([RequestView("a", seq, []), RequestView("b", [9, 8, 7], [])])
     assert first.drafted.tolist()[0] == 7  # the repeated pattern fills the chain
     p.plan([RequestView("a", seq, [4, 1, 2]), RequestView("b", [9, 8, 7], [6])])
-    drafted, accepted, _ = ctrl.observed[-1]
-    assert drafted == [first.drafted[0], first.drafted[1]]
-    assert accepted == [2, 0]
+    assert ctrl.started == ["a", "b"]
+    assert ctrl.tokens == [("a", [4, 1, 2]), ("b", [6])]  # the controller sees exactly the committed tokens
     assert p.stats.realized_accepted == 2 and p.stats.observed_requests == 2
+    p.release(["a"])
+    assert ctrl.finished == ["a"]
 
 
 def test_width_one_is_a_root_only_step():
@@ -82,47 +94,56 @@ def test_layout_rows_hold_root_then_prefix_of_the_draft():
     (4, [1, 1], "draft lengths for 1 requests"),
 ])
 def test_bad_controller_answers_raise(width, lengths, message):
-    class Bad:
-        def choose(self, drafts):
-            return width, np.array(lengths if lengths is not None else [0] * len(drafts))
+    class Bad(RecordingController):
+        def plan(self, rids, batch):
+            return Plan(width, np.array(lengths if lengths is not None else [0] * len(rids)), 1.0, 1.0, "bad")
 
-        def observe(self, *a):
-            pass
-
-    p = planner(controller=Bad())
+    p = planner(controller=Bad([]))
     with pytest.raises(ValueError, match=message):
         p.plan([RequestView("a", [1, 2, 1, 2], [])])
 
 
-def test_tensor_parallel_ranks_make_identical_decisions():
-    """Rank-local timings differ; only rank 0's reach the controllers, on the same step, on every rank."""
+def run_ranks(timings_of_rank, share_rank0, steps=60):
+    """Planners with the real AdaptiveController, fed identical tokens and rank-local step timings."""
     mailbox = {}
+    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2,
+                         controller={"explore_every": 4})
 
-    def broadcast_rank0(obj):
-        mailbox["v"] = obj
-        return obj
+    def broadcast(rank):
+        def fn(obj):
+            if rank == 0:
+                mailbox["v"] = obj
+                return obj
+            return mailbox["v"] if share_rank0 else obj
+        return fn
 
-    def broadcast_other(obj):
-        return mailbox["v"]
+    ranks = [DraftPlanner(cfg, is_timing_rank=True, broadcast=broadcast(r)) for r in range(len(timings_of_rank))]
+    text = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    outs = {"x": [], "y": []}
+    plans = [[] for _ in ranks]
+    for step in range(steps):
+        for r, p in enumerate(ranks):  # rank 0 first in each step, as the collective orders it
+            plan = p.plan([RequestView("x", text, outs["x"]), RequestView("y", [7, 7, 7, 8], outs["y"])])
+            plans[r].append(plan)
+            p.record_duration(plan.width, 2, timings_of_rank[r](plan.width))
+        outs["x"].append(text[len(outs["x"]) % len(text)])
+        outs["y"].append(step % 5)
+    return plans
 
-    ctrls = [RecordingController([8, 4, 8, 2, 8, 8]), RecordingController([8, 4, 8, 2, 8, 8])]
-    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2)
-    ranks = [DraftPlanner(cfg, controller=ctrls[0], is_timing_rank=True, broadcast=broadcast_rank0),
-             DraftPlanner(cfg, controller=ctrls[1], is_timing_rank=False, broadcast=broadcast_other)]
-    out = [[1, 2, 3, 4, 1, 2, 3]]
-    plans = [[], []]
-    for step in range(6):
-        for r, p in enumerate(ranks):  # rank 0 runs first in each step, as a collective would order it
-            plans[r].append(p.plan([RequestView("x", out[0][:3], out[0][3:])]))
-            p.record_duration(plans[r][-1].width, 1, 0.010 + 0.001 * step + 0.5 * r)  # rank-local timings
-        out[0] = out[0] + [1 + step % 4]
-    for a, b in zip(*plans):
-        assert a.width == b.width
+
+def test_tensor_parallel_ranks_make_identical_decisions():
+    """Rank-local timings disagree; only rank 0's reach the controllers, so every decision agrees."""
+    steep = lambda w: 0.01 * w * w  # rank 0: wide verifies are expensive
+    flat = lambda w: 0.01  # rank 1: its own clock says width is free
+    shared = run_ranks([steep, flat], share_rank0=True)
+    for a, b in zip(*shared):
+        assert a.width == b.width and a.reason == b.reason
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.mask, b.mask)
-    assert ctrls[0].observed == ctrls[1].observed
-    seen = [d for _, _, ds in ctrls[0].observed for d in ds]
-    assert seen and all(isinstance(d, DurationSample) and d.seconds < 0.5 for d in seen)  # rank 0's only
+        np.testing.assert_array_equal(a.drafted, b.drafted)
+    # control: had rank 1 used its own timings, decisions would have diverged
+    local = run_ranks([steep, flat], share_rank0=False)
+    assert any(a.width != b.width for a, b in zip(*local))
 
 
 def test_released_output_is_drafted_for_a_new_request():
@@ -135,15 +156,25 @@ def test_released_output_is_drafted_for_a_new_request():
 
 
 def test_interval_stats_mean_width_makes_sglang_rate_exact():
-    stats = IntervalStats()
     p = planner(controller=RecordingController([8, 4]))
-    p.stats = stats
+    stats = p.stats
     p.plan([RequestView("a", [1, 2, 1, 2, 1, 2], []), RequestView("b", [3], [])])
     p.plan([RequestView("a", [1, 2, 1, 2, 1, 2], [1]), RequestView("b", [3], [4])])
     # SGLang: accept_rate = correct / (forward_ct * (num_draft_tokens - 1)); forward_ct counts requests
+    assert stats.verified_requests == 4 and stats.drafted_tokens > 0
     assert stats.verified_requests * (stats.mean_width() - 1) == pytest.approx(stats.drafted_tokens)
+    summary = stats.summary()
+    assert summary["mean_verify_width"] == pytest.approx((8 * 2 + 4 * 2) / 4)
     stats.reset()
     assert stats.verified_requests == 0 and stats.mean_width() == 1.0
+
+
+def test_default_controller_is_the_adaptive_one_and_bad_options_raise():
+    assert isinstance(make_controller(AdaptiveConfig(widths=(1, 4))), AdaptiveController)
+    assert isinstance(make_controller(AdaptiveConfig(widths=(1, 4), fixed_width=4)), FixedWidthController)
+    with pytest.raises(ValueError, match="controller"):
+        make_controller(AdaptiveConfig(widths=(1, 4), controller={"no_such_knob": 1}))
+    assert AdaptiveConfig(widths=(4, 8)).widths == (1, 4, 8)  # plain decode always available
 
 
 def test_views_reject_empty_requests_and_batches():
