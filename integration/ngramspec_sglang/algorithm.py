@@ -68,10 +68,19 @@ class NgramAdaptiveAlgo(CustomSpecAlgo):
             server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
         server_args.enable_mixed_chunk = False
         server_args.speculative_num_draft_tokens = config.max_width
-        # Tree breadth is decided per node by the cache; SGLang only reads topk for KV sizing here.
-        server_args.speculative_eagle_topk = 1
+        # As NGRAM: topk is the tree breadth bound (it gates SGLang's paged-tree safety check), and
+        # steps * topk stays within the width so KV reservation per decode step is the width.
+        topk = max(1, int(server_args.speculative_ngram_max_bfs_breadth)) if config.tree else 1
+        server_args.speculative_eagle_topk = topk
         if server_args.speculative_num_steps is None:
-            server_args.speculative_num_steps = max(1, config.max_width - 1)
+            server_args.speculative_num_steps = max(1, config.max_width // topk)
+        page_size = getattr(server_args, "page_size", None) or 1
+        backend = getattr(server_args, "attention_backend", None)
+        if config.tree and page_size > 1 and backend not in (None, "flashinfer"):
+            raise ValueError(
+                f"{ALGORITHM_NAME} tree drafts with --page-size {page_size} > 1 need the flashinfer attention "
+                f"backend (got {backend!r}); use --speculative-ngram-max-bfs-breadth 1 for chain drafts"
+            )
         for name, reason in IGNORED_NGRAM_OPTIONS.items():
             if getattr(server_args, name, None) != _field_default(name):
                 logger.warning("--%s is ignored by %s: %s", name.replace("_", "-"), ALGORITHM_NAME, reason)

@@ -108,8 +108,8 @@ def test_command_line_resolves_our_defaults(plugin, model_dir):
     assert view.speculative_algorithm == ALGO
     assert view.speculative_num_draft_tokens == 16  # our default largest width
     assert view.max_running_requests == 48
-    assert view.speculative_eagle_topk == 1
-    assert view.speculative_num_steps == 15
+    assert view.speculative_eagle_topk == 10  # tree breadth bound, as NGRAM (--speculative-ngram-max-bfs-breadth)
+    assert view.speculative_num_steps == 1  # 16 // 10: KV reserved per decode step stays at the width
     assert view.enable_mixed_chunk is False
     assert view.disable_overlap_schedule is True  # CPU device: SGLang has no speculative overlap there
     assert view.speculative_adaptive is False  # EAGLE's knob stays off; we always adapt
@@ -126,6 +126,7 @@ def test_command_line_knobs_reach_our_config(plugin, model_dir, tmp_path):
                    "--max-running-requests", "7")
     view = resolved_view(args)
     assert view.max_running_requests == 7
+    assert view.speculative_eagle_topk == 1 and view.speculative_num_steps == 8  # chains
     cfg = resolve_config(view)
     assert cfg.widths == (1, 2, 4, 8) and cfg.max_depth == 12 and cfg.tree is False and cfg.tp_sync_interval == 4
     assert plugin.resolve_max_speculative_num_draft_tokens(args) == 8
@@ -152,6 +153,7 @@ def test_published_spec_bag_carries_the_largest_width(published):
     (["--speculative-ngram-external-corpus-path", "/tmp/corpus.jsonl"], "external corpora"),
     (["--pp-size", "2"], "pipeline parallelism"),
     (["--lora-paths", "a=/tmp/lora"], "LoRA"),
+    (["--page-size", "16", "--attention-backend", "triton"], "flashinfer"),
     (["--speculative-num-draft-tokens", "8", "--speculative-adaptive-config", "{missing}"], "no such file"),
 ])
 def test_unsupported_command_lines_fail_with_a_reason(plugin, model_dir, tmp_path, extra, message):
