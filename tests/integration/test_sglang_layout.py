@@ -178,3 +178,33 @@ def test_drafts_of_our_cache_on_real_traces_match_sglang_kernel():
         # over all verified rows: padding (token 0 under the root) is accepted when the model says 0
         path = accepted_path(lay.tokens[0, 1:], lay.parents[0, 1:] - 1, case["truth"])
         assert int(res["accept_num"][0]) == len(path)
+
+
+def test_trees_sglang_ngram_builds_are_laid_out_identically():
+    """SGLang's NGRAM corpus (its C++ trie, built on CPU) drafts trees as (tokens, mask); reading the parents
+    off its mask and laying them out with ours reproduces its tokens and mask exactly, padding included."""
+    from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+
+    rng = np.random.default_rng(2)
+    width = 12
+    corpus = NgramCorpus(max_trie_depth=8, draft_token_num=width, max_bfs_breadth=4)
+    phrases = [list(rng.integers(1, 30, size=int(rng.integers(4, 9)))) for _ in range(12)]
+    streams = [sum((phrases[int(i)] for i in rng.integers(0, 12, size=40)), []) for _ in range(6)]
+    corpus.batch_put(streams)
+    corpus.synchronize()
+    contexts = [s[: int(rng.integers(3, len(s)))][-8:] for s in streams for _ in range(5)]
+    ids, masks = corpus.batch_get([f"q{i}" for i in range(len(contexts))], contexts, [len(c) for c in contexts])
+    ids = ids.reshape(len(contexts), width)
+    masks = masks.reshape(len(contexts), width, width).astype(bool)
+    branching = 0
+    for tokens, mask in zip(ids, masks):
+        rows = np.arange(width)
+        ancestors = mask & (rows[None, :] < rows[:, None])
+        parent_rows = np.where(ancestors.any(1), (ancestors * rows).argmax(1), -1)
+        draft = (tokens[1:], parent_rows[1:] - 1)  # draft node j is row j + 1; -1: child of the root
+        lay = tree_layout([draft], [int(tokens[0])], width)
+        np.testing.assert_array_equal(lay.tokens[0], tokens)
+        np.testing.assert_array_equal(lay.mask[0], mask)
+        real_parents = [int(p) for p, t in zip(parent_rows[1:], tokens[1:]) if t != 0]
+        branching += len(real_parents) != len(set(real_parents))  # a node with two real children
+    assert branching > 0  # some of SGLang's drafts are real trees, not only chains
