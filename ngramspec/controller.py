@@ -151,13 +151,13 @@ def _path_values(parents, offsets, cond):
 
 @dataclass
 class _Pending:
-    """A proposed draft waiting for the tokens that decide it."""
+    """A proposed draft being decided, one depth per committed token: at each depth the children of the node
+    accepted so far are tried, and the one matching the committed token (if any) is accepted."""
 
-    tokens: np.ndarray
-    parents: np.ndarray
+    tokens: list
+    parents: list
     cells: np.ndarray
-    max_depth: int
-    truth: list = field(default_factory=list)
+    cur: int = -1  # deepest accepted node (-1: the root)
 
 
 @dataclass
@@ -180,13 +180,15 @@ class AdaptiveController:
 
     Knobs: ``widths`` (the verify widths a server holds CUDA graphs for), ``prior`` (c(B, n) before any
     measurement: a callable or a calibration file path), ``explore_every`` (steps between tries of a width not yet
-    measured in the current batch bucket), ``prior_strength`` (pseudo-trials behind each calibration cell's prior),
-    ``prior_scale`` (the prior of a cell's conditional acceptance is this times the cache's raw conditional),
+    measured in the current batch bucket, and only one that would pay at half its estimated cost), ``prior_strength`` (pseudo-trials behind each calibration cell's prior),
+    ``prior_scale`` (per match-length bin: the prior of a cell's conditional acceptance is this times the cache's
+    raw conditional; longer matches are trusted more),
     ``request_alpha`` (EWMA weight of a request's recent success), ``trace_len`` (decisions kept for debugging).
     """
 
     def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_every: int = 64,
-                 prior_strength: float = 4.0, prior_scale: float = 0.5, request_alpha: float = 0.25,
+                 prior_strength: float = 2.0, prior_scale: Sequence[float] = (0.3, 0.45, 0.6, 0.75),
+                 request_alpha: float = 0.25,
                  trace_len: int = 1000):
         widths = sorted(set(int(w) for w in widths))
         if not widths or widths[0] < 1:
@@ -200,12 +202,15 @@ class AdaptiveController:
         self.costs = CostModel(prior or default_prior)
         self.explore_every = int(explore_every)
         self.prior_strength = float(prior_strength)
-        self.prior_scale = float(prior_scale)
+        self.prior_scale = np.asarray(prior_scale, np.float64)
+        if self.prior_scale.shape != (4,):
+            raise ValueError("prior_scale needs one factor per match-length bin (1, 2-3, 4-7, 8+)")
         self.request_alpha = float(request_alpha)
         self.succ = np.zeros(int(np.prod(_SHAPE)), np.float64)
         self.trials = np.zeros_like(self.succ)
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
-        self.prior_mean = np.broadcast_to(q_mid[None, None, :, None, None], _SHAPE).reshape(-1) * self.prior_scale
+        self.prior_mean = np.broadcast_to(self.prior_scale[None, :, None, None, None] * q_mid[None, None, :, None, None],
+                                          _SHAPE).reshape(-1).copy()
         self.requests: dict[Hashable, _Request] = {}
         self.trace: deque = deque(maxlen=int(trace_len))
         self._steps_since_explore: dict[int, int] = {}
@@ -249,12 +254,7 @@ class AdaptiveController:
             r = self.requests[rid]
             if r.pending is None and lens[i] > 0:
                 a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
-                par = batch.parents[a:b]
-                depth = np.ones(b - a, np.int64)
-                for j in range(b - a):
-                    if par[j] >= 0:
-                        depth[j] = depth[par[j]] + 1
-                r.pending = _Pending(batch.tokens[a:b].copy(), par.copy(), cells[a:b].copy(), int(depth.max()))
+                r.pending = _Pending(batch.tokens[a:b].tolist(), batch.parents[a:b].tolist(), cells[a:b].copy())
         # prefix sums of P per request, padded to the widest width
         kmax = self.max_width - 1
         S = np.zeros((B, kmax + 1))
@@ -276,7 +276,9 @@ class AdaptiveController:
         since = self._steps_since_explore.get(bucket, self.explore_every) + 1
         self._steps_since_explore[bucket] = since
         if any_draft and since >= self.explore_every:
-            unmeasured = [v for v in values if not self.costs.measured(B, v[1])]
+            # try a width not yet measured here only if it would win were it half as costly as estimated
+            unmeasured = [v for v in values
+                          if not self.costs.measured(B, v[1]) and v[2] / (0.5 * v[3]) > best[0]]
             if unmeasured:
                 best = unmeasured[self._step % len(unmeasured)]
                 reason = "explore"
@@ -300,43 +302,33 @@ class AdaptiveController:
         p = r.pending
         if p is None:
             return
-        p.truth.extend(int(t) for t in committed)
-        path = _accepted(p.tokens, p.parents, p.truth)
-        if len(path) >= len(p.truth) and len(p.truth) < p.max_depth:
-            return  # everything seen so far matched: the draft is not decided yet
-        accepted = np.zeros(len(p.tokens), bool)
-        accepted[path] = True
-        tried = np.array([(q < 0 or accepted[q]) for q in p.parents.tolist()])
-        # only nodes whose depth the truth reaches are decided
-        if tried.any():
-            cells = p.cells[tried]
-            np.add.at(self.trials, cells, 1.0)
-            np.add.at(self.succ, cells, accepted[tried].astype(np.float64))
-            rate = float(accepted[tried].mean())
+        tried: list[int] = []
+        hits: list[float] = []
+        for t in committed:
+            nxt = -1
+            for j, (tok, par) in enumerate(zip(p.tokens, p.parents)):
+                if par == p.cur:
+                    tried.append(int(p.cells[j]))
+                    hit = tok == t
+                    hits.append(1.0 if hit else 0.0)
+                    if hit:
+                        nxt = j
+            if nxt < 0:
+                r.pending = None  # decided: the accepted path ends here
+                break
+            p.cur = nxt
+        else:
+            if not any(par == p.cur for par in p.parents):
+                r.pending = None  # every node decided
+        if tried:
+            np.add.at(self.trials, tried, 1.0)
+            np.add.at(self.succ, tried, hits)
+            rate = sum(hits) / len(hits)
             r.success = rate if r.success is None else r.success + self.request_alpha * (rate - r.success)
-        r.pending = None
 
     def observe_step(self, batch: int, width: int, duration_ms: float) -> None:
         """The measured duration of a step of ``batch`` requests verified at ``width``."""
         self.costs.observe(batch, width, duration_ms)
-
-
-def _accepted(tokens: np.ndarray, parents: np.ndarray, truth: list) -> list[int]:
-    path: list[int] = []
-    cur = -1
-    toks = tokens.tolist()
-    pars = parents.tolist()
-    for t in truth:
-        nxt = -1
-        for j in range(len(toks)):
-            if pars[j] == cur and toks[j] == t:
-                nxt = j
-                break
-        if nxt < 0:
-            break
-        path.append(nxt)
-        cur = nxt
-    return path
 
 
 # ------------------------------------------------------------------------------------- simulator method
@@ -372,7 +364,7 @@ def _register() -> None:
             self.ctl.start(rid)
 
         def propose(self, rids):
-            batch = self.cache.propose(rids, self.ctl.max_width - 1, tree=self.tree)
+            batch = self.cache.propose(rids, max(1, self.ctl.max_width - 1), tree=self.tree)
             plan = self.ctl.plan(rids, batch)
             self._width = plan.width
             out = []

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The controller issue's table: adaptive vs every static chain/tree k in {2,4,8,16} vs the oracle controller,
+# on every dev trace, both profiles, batch 1 and 32. Chat and reasoning are cut to their first N requests
+# (MAXREQ, default 100) to fit a 2-core machine; set MAXREQ=0 for the whole traces.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+T=../shared/traces
+OUT=${OUT_DIR:-out}
+mkdir -p "$OUT"
+MAXREQ=${MAXREQ:-100}
+PY=${PY:-.venv/bin/python}
+methods=(--method none --method ngramspec-adaptive --method oracle-ctl:k=15)
+for k in 2 4 8 16; do methods+=(--method ngramspec-chain:k=$k --method ngramspec-tree:k=$k); done
+common=("${methods[@]}" --profile seed-pcie8 --profile h200-llama8b --batch 1 --batch 32 --jobs 2 --no-progress)
+$PY -m ngramspec simulate $T/agent_swe_gpt4_dev.jsonl.gz $T/mtbench_vicuna7b.jsonl.gz "${common[@]}" --json "$OUT/ctl_small.json"
+extra=(); [ "$MAXREQ" != 0 ] && extra=(--max-requests "$MAXREQ")
+$PY -m ngramspec simulate $T/chat_gpt4.jsonl.gz $T/reasoning_o3mini.jsonl.gz "${common[@]}" "${extra[@]}" --json "$OUT/ctl_large.json"
+$PY scripts/controller_report.py "$OUT/ctl_small.json" "$OUT/ctl_large.json"

@@ -1,0 +1,186 @@
+"""The adaptive controller on its own, and through the simulator on hand-made traces."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ngramspec import NgramCache
+from ngramspec.controller import AdaptiveController, CostModel, default_prior
+from ngramspec.methods import make_method
+from ngramspec.profiles import get_profile
+from ngramspec.simulate import replay, summarize
+from ngramspec.traces import make_trace
+
+SEED = get_profile("seed-pcie8")
+
+
+def seed_cost(batch, width):
+    return SEED.cost_ms(batch, width)
+
+
+def drive(ctl, cache, rid, output, widths_log, profile=SEED):
+    """Decode `output` greedily with the controller choosing widths; returns tokens per step."""
+    pos = 0
+    steps = 0
+    while pos < len(output):
+        batch = cache.propose([rid], max(1, ctl.max_width - 1), tree=True)
+        plan = ctl.plan([rid], batch)
+        d = batch.draft(0).prefix(int(plan.lengths[0]))
+        path, cur = [], -1
+        for t in output[pos:]:
+            nxt = next((j for j in range(len(d)) if d.parents[j] == cur and d.tokens[j] == t), -1)
+            if nxt < 0:
+                break
+            path.append(nxt)
+            cur = nxt
+        n = min(len(path) + 1, len(output) - pos)
+        committed = output[pos:pos + n]
+        cache.add_tokens(rid, committed)
+        ctl.observe_tokens(rid, committed)
+        ctl.observe_step(1, plan.width, profile.cost_ms(1, plan.width))
+        widths_log.append((pos, plan.width))
+        pos += n
+        steps += 1
+    return len(output) / steps
+
+
+def test_width_rises_within_a_few_steps_of_a_copy_and_falls_after():
+    rng = np.random.default_rng(0)
+    passage = rng.integers(1000, 50000, 300).tolist()
+    prompt = rng.integers(1000, 50000, 200).tolist() + passage + rng.integers(1000, 50000, 100).tolist()
+    free1 = rng.integers(50000, 90000, 150).tolist()
+    free2 = rng.integers(50000, 90000, 150).tolist()
+    output = free1 + passage + free2
+    cache = NgramCache(max_depth=16)
+    ctl = AdaptiveController(prior=seed_cost)
+    cache.start_request(0, prompt)
+    ctl.start(0)
+    log = []
+    drive(ctl, cache, 0, output, log)
+    copy_start, copy_end = len(free1), len(free1) + len(passage)
+    free_steps = [w for p, w in log if p < copy_start]
+    copy_steps = [w for p, w in log if copy_start <= p < copy_end]
+    after = [w for p, w in log if p >= copy_end + 2]
+    assert all(w == 1 for w in free_steps), "nothing to copy: never pay for a verify"
+    first_wide = next(i for i, w in enumerate(copy_steps) if w > 1)
+    assert first_wide <= 8, f"width rose only after {first_wide} steps of copying"
+    assert np.mean([w for w in copy_steps[first_wide:]]) >= 8, "verbatim copying should earn wide drafts"
+    assert len(copy_steps) < len(passage) / 3, "the copy should go several tokens per step"
+    # back to plain decoding, but for the rare sparse exploration of a width not yet measured
+    assert np.mean(np.array(after[3:]) == 1) >= 0.95, "after the copy ends the width falls back to 1"
+
+
+def test_no_draft_means_width_one():
+    cache = NgramCache()
+    ctl = AdaptiveController()
+    cache.start_request("a", [5, 6, 7])
+    ctl.start("a")
+    plan = ctl.plan(["a"], cache.propose(["a"], 15))
+    assert plan.width == 1 and plan.lengths.tolist() == [0] and plan.reason == "no-draft"
+
+
+def test_width_one_when_nothing_pays():
+    """Drafts that always fail, expensive verify: after learning, it stops drafting for good."""
+    rng = np.random.default_rng(1)
+    cache = NgramCache()
+    ctl = AdaptiveController(prior=seed_cost, explore_every=10**9)
+    base = rng.integers(0, 40, 4000).tolist()  # a small alphabet: matches everywhere, predictions poor
+    cache.start_request(0, base[:100])
+    ctl.start(0)
+    log = []
+    drive(ctl, cache, 0, base[100:], log)
+    tail = [w for _, w in log[-500:]]
+    assert np.mean(np.array(tail) == 1) > 0.95
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=st.lists(st.lists(st.integers(0, 6), min_size=2, max_size=60), min_size=1, max_size=6),
+       widths=st.sets(st.integers(1, 16), min_size=1, max_size=5))
+def test_plans_respect_widths_and_budgets(seqs, widths):
+    cache = NgramCache(max_depth=8)
+    ctl = AdaptiveController(widths=sorted(widths), prior=seed_cost, explore_every=3)
+    rids = list(range(len(seqs)))
+    for r, s in zip(rids, seqs):
+        cache.start_request(r, s)
+        ctl.start(r)
+    for step in range(4):
+        batch = cache.propose(rids, max(1, ctl.max_width - 1))
+        plan = ctl.plan(rids, batch)
+        assert plan.width in ctl.widths
+        lens = np.diff(batch.offsets)
+        assert np.all(plan.lengths <= np.minimum(lens, plan.width - 1)) and np.all(plan.lengths >= 0)
+        for r in rids:
+            ctl.observe_tokens(r, [step % 7])
+            cache.add_tokens(r, [step % 7])
+        ctl.observe_step(len(rids), plan.width, seed_cost(len(rids), plan.width))
+
+
+def test_decisions_are_deterministic():
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, 30, 500).tolist()
+    out = rng.integers(0, 30, 300).tolist()
+    logs = []
+    for _ in range(2):
+        cache, ctl, log = NgramCache(), AdaptiveController(prior=seed_cost), []
+        cache.start_request(0, prompt)
+        ctl.start(0)
+        drive(ctl, cache, 0, out, log)
+        logs.append((log, [t["options"] for t in ctl.trace]))
+    assert logs[0] == logs[1]
+
+
+def test_cost_model_learns_measured_widths_and_scales_the_prior():
+    cm = CostModel(default_prior)
+    assert cm.estimate(1, 8) == default_prior(1, 8)
+    cm.observe(1, 1, 10.0)
+    assert cm.estimate(1, 1) == 10.0
+    assert cm.estimate(1, 8) == pytest.approx(10.0 * default_prior(1, 8))  # scaled by what was measured
+    cm.observe(1, 8, 12.0)
+    assert cm.estimate(1, 8) == 12.0
+    with pytest.raises(ValueError):
+        cm.observe(1, 2, float("nan"))
+    with pytest.raises(ValueError):
+        cm.observe(1, 2, -1.0)
+
+
+def test_unknown_requests_are_rejected():
+    ctl = AdaptiveController()
+    with pytest.raises(KeyError, match="unknown request"):
+        ctl.observe_tokens("x", [1])
+    with pytest.raises(KeyError, match="unknown request"):
+        ctl.finish("x")
+    ctl.start("x")
+    with pytest.raises(ValueError):
+        ctl.start("x")
+
+
+def _trace(records):
+    return make_trace("hand", records)
+
+
+@pytest.mark.parametrize("profile", ["seed-pcie8"])
+def test_never_slower_on_text_that_never_repeats(profile):
+    rng = np.random.default_rng(3)
+    recs = [{"prompt": rng.integers(0, 90000, 50).tolist(), "output": rng.integers(0, 90000, 400).tolist()}
+            for _ in range(4)]
+    tr = _trace(recs)
+    prof = get_profile(profile)
+    base = replay(tr, make_method("none"), 1)
+    ad = summarize(replay(tr, make_method("ngramspec-adaptive"), 1, prof), prof, base)
+    assert ad["speedup"] >= 0.99
+
+
+def test_adaptive_speeds_up_a_copy_task_like_the_best_static_choice():
+    rng = np.random.default_rng(4)
+    recs = []
+    for _ in range(3):
+        doc = rng.integers(0, 90000, 400).tolist()
+        recs.append({"prompt": doc, "output": doc[:300]})
+    tr = _trace(recs)
+    prof = SEED
+    base = replay(tr, make_method("none"), 1)
+    ad = summarize(replay(tr, make_method("ngramspec-adaptive"), 1, prof), prof, base)
+    static = max(summarize(replay(tr, make_method(f"ngramspec-chain:k={k}"), 1), prof, base)["speedup"]
+                 for k in (2, 4, 8, 16))
+    assert ad["speedup"] > 2.0
+    assert ad["speedup"] >= 0.9 * static
