@@ -16,3 +16,7 @@ $PY -m ngramspec simulate $T/agent_swe_gpt4_dev.jsonl.gz $T/mtbench_vicuna7b.jso
 extra=(); [ "$MAXREQ" != 0 ] && extra=(--max-requests "$MAXREQ")
 $PY -m ngramspec simulate $T/chat_gpt4.jsonl.gz $T/reasoning_o3mini.jsonl.gz "${common[@]}" "${extra[@]}" --json "$OUT/ctl_large.json"
 $PY scripts/controller_report.py "$OUT/ctl_small.json" "$OUT/ctl_large.json"
+# robustness to a wrong prior: started with the other profile's costs (reasoning trace, batch 1)
+$PY -m ngramspec simulate $T/reasoning_o3mini.jsonl.gz --method none --method ngramspec-adaptive:prior=seed-pcie8 \
+  --method ngramspec-adaptive:prior=h200-llama8b --profile seed-pcie8 --profile h200-llama8b --batch 1 --jobs 2 \
+  --no-progress "${extra[@]}" --json "$OUT/ctl_prior.json"
