@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The test command (README): sets everything up on a fresh machine, then runs every test that can run without a GPU.
+# Step 1: core, simulator, controller, real-model engine (CPU).  Step 2: SGLang plugin and the real anchors.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+echo "== step 1: core environment"
+bash scripts/setup_env.sh core
+echo "== step 1: core, simulator, controller and engine tests"
+.venv/bin/python -m pytest tests -q -ra
+echo "== step 2: sglang environment (sglang 0.5.23 + arctic-inference)"
+bash scripts/setup_env.sh sglang
+echo "== step 2: SGLang plugin and anchor tests against the real packages"
+.venv-sglang/bin/python -m pytest tests/integration tests/test_simulate_anchors.py -q -ra
