@@ -395,7 +395,7 @@ def test_full_local_pool_never_crashes():
         assert cache.stats()["local_nodes_live"] <= 64
     for rid in RIDS:
         np.testing.assert_array_equal(cache.history(rid), streams[rid])
-    assert cache.stats()["local_nodes_live"] == 64  # it did fill up
+    assert cache.stats()["local_nodes_live"] >= 64 - CONFIG["max_requests"]  # it did fill up
     for rid in RIDS:
         cache.finish_request(rid)
     assert cache.stats()["local_nodes_live"] == 0
@@ -406,7 +406,7 @@ def test_full_local_pool_still_admits_requests():
     start: the pool is sized >= max_requests + 1, so a root per request can always be had."""
     cache = NgramCache(**{**CONFIG, "local_nodes": 64, "use_shared": False})
     cache.start_request("big", _stream(0, 3000, 20))
-    assert cache.stats()["local_nodes_live"] == 64
+    assert cache.stats()["local_nodes_live"] >= 64 - CONFIG["max_requests"]
     for rid in ["b", "c", "d"]:
         cache.start_request(rid, [1, 2, 3, 1, 2])
         assert_valid_batch(cache.propose([rid, "big"], 4), [4, 4])
