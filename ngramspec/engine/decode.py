@@ -20,25 +20,32 @@ PREFILL_CHUNK = 512
 
 
 class DraftPolicy(Protocol):
-    """How much to draft and verify. The seam for `ngramspec.controller`."""
+    """How much to draft and verify each step. The seam for `ngramspec.controller.AdaptiveController`."""
 
     tree: bool
 
-    def budgets(self, n_requests: int) -> int | Sequence[int]:
+    def budgets(self, n_requests: int) -> int:
         """Node budget per request passed to `NgramCache.propose`."""
 
-    def choose(self, batch) -> tuple[int, np.ndarray]:
+    def start(self, rid) -> None: ...
+
+    def finish(self, rid) -> None: ...
+
+    def choose(self, rids, batch) -> tuple[int, np.ndarray]:
         """(verify width n incl. the root, nodes kept per request) for a `DraftBatch`; kept[i] <= n - 1."""
 
-    def observe(self, width: int, kept: np.ndarray, accepted: np.ndarray, seconds: float) -> None:
-        """Feedback after a step: draft nodes verified and accepted per request, wall time of the step."""
+    def observe_tokens(self, rid, committed: list[int]) -> None:
+        """Tokens the model committed for `rid` this step (accepted draft tokens + bonus)."""
+
+    def observe_step(self, batch_size: int, width: int, duration_ms: float) -> None:
+        """Measured wall time of a step of `batch_size` requests verified at `width`."""
 
 
 class FixedPolicy:
     """Draft up to `k` nodes (chain or tree), verify all of them; width = 1 + longest draft in the batch."""
 
     def __init__(self, k: int, tree: bool):
-        if not isinstance(k, (int, np.integer)) or k < 1:
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         self.k, self.tree = int(k), bool(tree)
 
@@ -49,11 +56,20 @@ class FixedPolicy:
     def budgets(self, n_requests: int) -> int:
         return self.k
 
-    def choose(self, batch) -> tuple[int, np.ndarray]:
+    def start(self, rid) -> None:
+        pass
+
+    def finish(self, rid) -> None:
+        pass
+
+    def choose(self, rids, batch) -> tuple[int, np.ndarray]:
         kept = np.minimum(np.diff(np.asarray(batch.offsets)), self.k)
         return 1 + int(kept.max(initial=0)), kept
 
-    def observe(self, width, kept, accepted, seconds) -> None:
+    def observe_tokens(self, rid, committed) -> None:
+        pass
+
+    def observe_step(self, batch_size, width, duration_ms) -> None:
         pass
 
 
@@ -199,7 +215,7 @@ class SpecDecoder:
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise ValueError(f"prompt token outside [0, {vocab})")
         longest = max(len(p) for p in prompts)
-        max_width = 1 + (max(np.atleast_1d(policy.budgets(B))) if policy is not None else 0)
+        max_width = 1 + (policy.budgets(B) if policy is not None else 0)
         if longest + max_new_tokens + max_width > self.kv.max_len:
             raise ValueError(f"prompt {longest} + {max_new_tokens} new + width {max_width} exceeds the KV cache "
                              f"({self.kv.max_len} slots)")
@@ -225,6 +241,7 @@ class SpecDecoder:
         if cache is not None:
             for rid, p in zip(rids, prompts):
                 cache.start_request(rid, p)
+                policy.start(rid)
 
         t0 = time.perf_counter()
         while active.any():
@@ -234,8 +251,9 @@ class SpecDecoder:
             kept = np.zeros(len(act), np.int64)
             width = 1
             if policy is not None:
-                batch = cache.propose([rids[i] for i in act], policy.budgets(len(act)), tree=policy.tree)
-                width, kept = policy.choose(batch)
+                act_rids = [rids[i] for i in act]
+                batch = cache.propose(act_rids, policy.budgets(len(act)), tree=policy.tree)
+                width, kept = policy.choose(act_rids, batch)
                 kept = np.asarray(kept, np.int64)
                 if width < 1 or len(kept) != len(act) or (kept > width - 1).any() or (kept < 0).any():
                     raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {len(act)} requests")
@@ -254,7 +272,6 @@ class SpecDecoder:
             for j, i in enumerate(act):
                 row_tokens, row_parent = rows[i][0], rows[i][1]
                 path = greedy_walk(row_tokens, row_parent, len(drafts[i][0]), predicted[i])
-                accepted_counts[j] = len(path)
                 new = [int(row_tokens[r]) for r in path] + [int(predicted[i][path[-1] if path else 0])]
                 for depth_k, r in enumerate(path, start=1):
                     if r != depth_k:
@@ -266,11 +283,13 @@ class SpecDecoder:
                 if eos_token_id is not None and eos_token_id in new:
                     new = new[:new.index(eos_token_id) + 1]
                 outputs[i].extend(new)
+                accepted_counts[j] = min(len(path), len(new))   # as the simulator counts a truncated last step
                 steps[i] += 1
                 length[i] += 1 + len(path)
                 root[i] = new[-1]
                 if cache is not None:
                     cache.add_tokens(rids[i], new)
+                    policy.observe_tokens(rids[i], new)
                 if len(outputs[i]) >= max_new_tokens or (eos_token_id is not None and new[-1] == eos_token_id):
                     active[i] = False
                 if progress is not None:
@@ -278,13 +297,14 @@ class SpecDecoder:
             self.kv.move(mv_rows, mv_src, mv_dst)
             seconds = time.perf_counter() - t_step
             if policy is not None:
-                policy.observe(width, kept, accepted_counts, seconds)
+                policy.observe_step(len(act), width, seconds * 1e3)
             records.append(StepRecord(width, kept.tolist(), accepted_counts.tolist(), seconds))
         _sync(dev)
         decode_seconds = time.perf_counter() - t0
         if cache is not None:
             for rid in rids:
                 cache.finish_request(rid, share=share)
+                policy.finish(rid)
         return GenerationResult(outputs, steps, prefill_seconds, decode_seconds, records)
 
     def _verify(self, tok, depth, anc, length, L) -> np.ndarray:

@@ -8,6 +8,7 @@ bookkeeping is ours, which is what tree verification needs (per-sequence lengths
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -48,11 +49,16 @@ def default_device() -> str:
 
 
 def load_model(gguf: str | os.PathLike | None = None, device: str | None = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a GGUF file; weights are dequantized by transformers to `dtype`."""
+    """(model, tokenizer) from a GGUF file; weights are dequantized by transformers to `dtype`.
+
+    Loaded once per (file, device, dtype) in a process (loading takes tens of seconds on CPU)."""
+    return _load(locate_gguf(gguf).resolve(), device or default_device(), dtype)
+
+
+@functools.lru_cache(maxsize=2)
+def _load(path: Path, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = locate_gguf(gguf)
-    device = device or default_device()
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.to(device).eval()

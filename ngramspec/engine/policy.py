@@ -1,4 +1,4 @@
-"""Draft policies by name: `plain`, `chain:k=K`, `tree:k=K`, `adaptive` (the controller, `NGRAM_ADAPTIVE`)."""
+"""Draft policies by name: `plain`, `chain:k=K`, `tree:k=K`, `adaptive[:max_width=16]` (the controller: NGRAM_ADAPTIVE)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,26 +17,37 @@ def controller_available() -> bool:
 
 
 class AdaptivePolicy:
-    """`ngramspec.controller.AdaptiveController` behind the engine's `DraftPolicy` seam."""
+    """`ngramspec.controller.AdaptiveController` behind the engine's `DraftPolicy` seam (NGRAM_ADAPTIVE)."""
 
     tree = True
+    name = "adaptive"
 
-    def __init__(self, max_draft: int = 16, **kwargs):
-        from ngramspec.controller import AdaptiveController
+    def __init__(self, max_width: int = 16, **controller_kwargs):
+        from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
 
-        self.controller = AdaptiveController(max_draft=max_draft, **kwargs)
-        self.max_draft = max_draft
-        self.name = "adaptive"
+        widths = [w for w in DEFAULT_WIDTHS if w <= max_width]
+        self.controller = AdaptiveController(widths, **controller_kwargs)
+        self.max_width = self.controller.max_width
+        self.plans = []
 
     def budgets(self, n_requests: int) -> int:
-        return self.max_draft
+        return self.max_width - 1
 
-    def choose(self, batch) -> tuple[int, np.ndarray]:
-        width, kept = self.controller.choose(batch)
-        return int(width), np.asarray(kept, np.int64)
+    def start(self, rid) -> None:
+        self.controller.start(rid)
 
-    def observe(self, width, kept, accepted, seconds) -> None:
-        self.controller.observe(width, kept, accepted, seconds)
+    def finish(self, rid) -> None:
+        self.controller.finish(rid)
+
+    def choose(self, rids, batch) -> tuple[int, np.ndarray]:
+        plan = self.controller.plan(rids, batch)
+        return int(plan.width), np.asarray(plan.lengths, np.int64)
+
+    def observe_tokens(self, rid, committed) -> None:
+        self.controller.observe_tokens(rid, committed)
+
+    def observe_step(self, batch_size, width, duration_ms) -> None:
+        self.controller.observe_step(batch_size, width, duration_ms)
 
 
 def make_policy(spec: str):
@@ -58,5 +69,7 @@ def make_policy(spec: str):
     if name == "adaptive":
         if not controller_available():
             raise RuntimeError("policy 'adaptive' needs ngramspec.controller, which is not installed yet")
+        if set(params) - {"max_width", "explore_every"}:
+            raise ValueError(f"policy {spec!r}: adaptive takes max_width and explore_every")
         return AdaptivePolicy(**{key: int(v) for key, v in params.items()})
     raise ValueError(f"unknown policy {spec!r}: plain, chain:k=K, tree:k=K or adaptive")
