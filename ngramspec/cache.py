@@ -313,3 +313,15 @@ class NgramCache:
         _draft.append_batch(np.asarray(slots, dtype=np.int64), flat, offsets, self.max_depth, self._l_nodes,
                             self._l_table, self._l_meta, self._roots, self._hists, self._hlens, self._active,
                             self._since)
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel, on a throwaway cache: the first real call is then fast."""
+    c = NgramCache(max_depth=4, max_requests=2, local_nodes=64, shared_nodes=64, shared_tokens=64)
+    c.start_request(0, [1, 2, 3, 1, 2])
+    c.add_tokens_batch([0], [[3]])
+    c.propose([0], 2, tree=True)
+    c.propose([0], 2, tree=False)
+    c.count([1, 2], rid=0)
+    c.match_length(0)
+    c.finish_request(0, share=True)

@@ -356,6 +356,17 @@ def _register() -> None:
             self.tree = bool(tree)
             self._width = 1
 
+        def warmup(self) -> None:
+            from ngramspec.cache import warm_up
+
+            warm_up()
+            ctl = AdaptiveController()
+            c = NgramCache(max_depth=4, max_requests=2, local_nodes=64, shared_nodes=64, shared_tokens=64)
+            c.start_request(0, [1, 2, 1, 2])
+            ctl.start(0)
+            ctl.plan([0], c.propose([0], 2))
+            ctl.observe_tokens(0, [1, 2])
+
         def bind_profile(self, profile) -> None:
             pass  # deliberately ignored: the controller learns costs only from observe_step
 

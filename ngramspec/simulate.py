@@ -105,12 +105,15 @@ def replay(trace: Trace, method: Method, batch: int = 1, profile: CostProfile | 
         bar = tqdm(total=trace.output_tokens, unit="tok", desc=f"{trace.name} {method.name} b{batch}",
                    leave=False, mininterval=0.5)
     committed_since_bar = 0
+    method.warmup()  # JIT compilation / cache loading stays out of the proposer's time
     began = clock()
     while active or upcoming < len(outputs):
         while len(active) < batch and upcoming < len(outputs):
             if method.needs_future:
                 method.see_future(upcoming, outputs[upcoming])
+            t0 = clock()
             method.start(upcoming, prompts[upcoming])
+            proposer_s += clock() - t0
             active.append(upcoming)
             upcoming += 1
         t0 = clock()
@@ -142,9 +145,11 @@ def replay(trace: Trace, method: Method, batch: int = 1, profile: CostProfile | 
         steps += size
         if method.profile_dependent:
             method.observe_step(size, width, profile.cost_ms(size, width))
+        t0 = clock()
         for rid in finished:
             method.finish(rid)
             active.remove(rid)
+        proposer_s += clock() - t0
         if bar is not None and committed_since_bar >= 4096:
             bar.update(committed_since_bar)
             committed_since_bar = 0

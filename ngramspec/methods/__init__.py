@@ -44,6 +44,9 @@ class Method:
     needs_future = False
     profile_dependent = False
 
+    def warmup(self) -> None:
+        """Compile or load whatever the method needs, before the replay's clock starts."""
+
     def start(self, rid, prompt: np.ndarray) -> None:
         pass
 

@@ -20,6 +20,11 @@ class NgramspecStatic(Method):
         self.tree = tree
         self.cache = make_cache(depth)
 
+    def warmup(self):
+        from ngramspec.cache import warm_up
+
+        warm_up()
+
     def start(self, rid, prompt):
         self.cache.start_request(rid, prompt)
 
