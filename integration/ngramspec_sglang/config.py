@@ -5,6 +5,8 @@ Pure Python (no sglang import) so it is testable anywhere. Where a knob comes fr
 - `--speculative-num-draft-tokens N`: the largest verify width (root + N-1 draft tokens); default 16.
 - `--speculative-ngram-max-trie-depth`: the cache's suffix depth (longest n-gram matched).
 - `--speculative-ngram-max-bfs-breadth`: 1 drafts chains only, >1 drafts trees.
+- `--speculative-ngram-capacity`: trie nodes in all (half per-request histories, half the shared cache;
+  40 bytes each on the host).
 - `--speculative-adaptive-config FILE`: a JSON object with any of the keys of `ADAPTIVE_CONFIG_KEYS`
   (candidate widths, fixed width, TP sync interval, controller options).
 """
@@ -49,6 +51,7 @@ class AdaptiveConfig:
     tree: bool = True
     max_depth: int = 18
     fixed_width: int | None = None
+    capacity: int = 10_000_000
     tp_sync_interval: int = DEFAULT_TP_SYNC_INTERVAL
     controller: Mapping[str, Any] = field(default_factory=dict)
 
@@ -64,6 +67,8 @@ class AdaptiveConfig:
             raise ValueError(f"max_depth must be an int >= 1, got {self.max_depth!r}")
         if self.fixed_width is not None and self.fixed_width not in widths:
             raise ValueError(f"fixed_width={self.fixed_width!r} is not one of widths {widths}")
+        if not _is_int(self.capacity) or self.capacity < 1 << 12:
+            raise ValueError(f"--speculative-ngram-capacity must be an int >= 4096, got {self.capacity!r}")
         if not _is_int(self.tp_sync_interval) or self.tp_sync_interval < 1:
             raise ValueError(f"tp_sync_interval must be an int >= 1, got {self.tp_sync_interval!r}")
         if not isinstance(self.tree, bool):
@@ -75,6 +80,11 @@ class AdaptiveConfig:
     @property
     def max_width(self) -> int:
         return self.widths[-1]
+
+    def cache_sizes(self) -> dict[str, int]:
+        """NgramCache pool sizes from `capacity` (nodes in all)."""
+        half = self.capacity // 2
+        return {"local_nodes": half, "shared_nodes": half, "shared_tokens": max(2, self.capacity // 4)}
 
 
 def _is_int(value) -> bool:
@@ -128,6 +138,7 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         tree=data.get("tree", breadth is None or breadth > 1),
         max_depth=data.get("max_depth", getattr(args, "speculative_ngram_max_trie_depth", 18)),
         fixed_width=data.get("fixed_width"),
+        capacity=getattr(args, "speculative_ngram_capacity", None) or 10_000_000,
         tp_sync_interval=data.get("tp_sync_interval", DEFAULT_TP_SYNC_INTERVAL),
         controller=data.get("controller", {}),
     )

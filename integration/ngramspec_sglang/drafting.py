@@ -183,7 +183,9 @@ class DraftPlanner:
         layout: Callable | None = None,
     ):
         self.config = config
-        self.cache = cache if cache is not None else NgramCache(max_depth=config.max_depth, max_requests=max_requests)
+        if cache is None:
+            cache = NgramCache(max_depth=config.max_depth, max_requests=max_requests, **config.cache_sizes())
+        self.cache = cache
         self.controller = controller if controller is not None else make_controller(config)
         self.is_timing_rank = is_timing_rank
         self.broadcast = broadcast

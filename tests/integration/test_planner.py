@@ -42,7 +42,7 @@ class RecordingController:
 
 
 def planner(widths=(1, 2, 4, 8), controller=None, **kw):
-    return DraftPlanner(AdaptiveConfig(widths=widths, max_depth=8), controller=controller, **kw)
+    return DraftPlanner(AdaptiveConfig(widths=widths, max_depth=8, capacity=1 << 16), controller=controller, **kw)
 
 
 def test_cache_sees_each_committed_token_once_with_and_without_relay():
@@ -106,7 +106,7 @@ def test_bad_controller_answers_raise(width, lengths, message):
 def run_ranks(timings_of_rank, share_rank0, steps=60):
     """Planners with the real AdaptiveController, fed identical tokens and rank-local step timings."""
     mailbox = {}
-    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2,
+    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2, capacity=1 << 16,
                          controller={"explore_every": 4})
 
     def broadcast(rank):
@@ -199,6 +199,12 @@ def test_widths_up_to_and_resolve_config(tmp_path):
 
     cfg = resolve_config(Args())
     assert cfg.max_width == 16 and cfg.tree is False and cfg.max_depth == 12
+    assert cfg.cache_sizes() == {"local_nodes": 5_000_000, "shared_nodes": 5_000_000, "shared_tokens": 2_500_000}
+    Args.speculative_ngram_capacity = 100
+    with pytest.raises(ValueError, match="capacity"):
+        resolve_config(Args())
+    Args.speculative_ngram_capacity = 1 << 16
+    assert resolve_config(Args()).cache_sizes()["local_nodes"] == 1 << 15
 
     path = tmp_path / "ngram.json"
     path.write_text(json.dumps({"widths": [1, 4, 8], "fixed_width": 4, "controller": {"alpha": 0.1}}))
