@@ -20,13 +20,18 @@ SHARED_OUTPUT = [90, 91, 92, 93, 94, 95, 96, 97]  # a finished request's output,
 MORE = {"a": [7, 8, 5, 6, 7], 7: [42, 40, 41, 42]}
 
 
-def assert_valid_batch(batch: DraftBatch, budgets) -> None:
+def assert_valid_batch(batch: DraftBatch, budgets, tree: bool = True) -> None:
     """Structural contract of a DraftBatch (docs/api.md)."""
     offsets = batch.offsets
     assert offsets.dtype == np.int64 and offsets[0] == 0 and np.all(np.diff(offsets) >= 0)
     assert offsets[-1] == batch.tokens.size == batch.parents.size == batch.probs.size == batch.sources.size
+    assert (batch.tokens.dtype, batch.parents.dtype, batch.probs.dtype, batch.sources.dtype) == (
+        np.int32, np.int32, np.float32, np.int8)
+    assert len(batch) == len(budgets)
     for i, d in enumerate(batch):
         assert len(d) <= budgets[i]
+        if not tree:
+            assert d.parents.tolist() == list(range(-1, len(d) - 1))
         for j in range(len(d)):
             p = int(d.parents[j])
             assert -1 <= p < j
@@ -196,6 +201,17 @@ def test_empty_batch_proposes_nothing(tree):
     assert_same_state(bad, twin)
 
 
+def test_returned_arrays_are_copies():
+    """Mutating what the cache hands out (histories, drafts) changes nothing inside it."""
+    bad, twin = scenario(), scenario()
+    bad.history("a")[:] = 0
+    batch = bad.propose(RIDS, 8)
+    twin.propose(RIDS, 8)
+    for arr in (batch.tokens, batch.parents, batch.probs, batch.sources, batch.offsets):
+        arr[:] = 0
+    assert_same_state(bad, twin)
+
+
 def test_unhashable_request_id_is_a_type_error():
     bad, twin = scenario(), scenario()
     with pytest.raises(TypeError):
@@ -217,7 +233,7 @@ def test_huge_budget_is_rejected_clearly_or_served(tree):
         assert "budget" in str(e)
         twin_batch = None
     else:
-        assert_valid_batch(batch, [10**6] * len(RIDS))
+        assert_valid_batch(batch, [10**6] * len(RIDS), tree)
         twin_batch = twin.propose(RIDS, 10**6, tree=tree)
         assert_batches_equal(batch, twin_batch)
     assert_same_state(bad, twin)
@@ -250,7 +266,7 @@ def _run_requests(cache: NgramCache, rids, steps: int, seed: int, budget=6, tree
         if not live:
             break
         batch = cache.propose(live, budget, tree=tree)
-        assert_valid_batch(batch, [budget] * len(live))
+        assert_valid_batch(batch, [budget] * len(live), tree)
         for i, rid in enumerate(live):
             d = batch.draft(i)
             seen[rid].append((d.tokens.tolist(), d.parents.tolist(), d.probs.tolist(), d.sources.tolist()))
@@ -391,7 +407,7 @@ def test_full_local_pool_never_crashes():
     for p in range(10, 2000, 10):
         cache.add_tokens_batch(RIDS, [streams[rid][p:p + 10] for rid in RIDS])
         for tree in (True, False):
-            assert_valid_batch(cache.propose(RIDS, 8, tree=tree), [8, 8])
+            assert_valid_batch(cache.propose(RIDS, 8, tree=tree), [8, 8], tree)
         assert cache.stats()["local_nodes_live"] <= 64
     for rid in RIDS:
         np.testing.assert_array_equal(cache.history(rid), streams[rid])
