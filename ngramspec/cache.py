@@ -21,7 +21,7 @@ identical drafts: everything here is deterministic).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 from numba import typed
