@@ -47,7 +47,8 @@ from sglang.srt.speculative.spec_utils import (
 from sglang.srt.utils import is_cpu
 
 from .config import resolve_config
-from .drafting import DraftPlanner, RequestView
+from .drafting import DraftPlanner
+from .relay import next_draft_input, padded_rows, request_views
 
 logger = logging.getLogger(__name__)
 _is_cpu = is_cpu()
@@ -175,21 +176,6 @@ class NgramAdaptiveWorker(NGRAMWorker):
         return None
 
     # ------------------------------------------------------------------------------ stepping
-    def _request_views(self, batch: ScheduleBatch) -> list[RequestView]:
-        bs = len(batch.reqs)
-        use_prev_tokens = self.enable_overlap and not batch.grammar_needs_sync()
-        if use_prev_tokens:
-            prev_tokens = batch.spec_info.accept_tokens.cpu().tolist()
-            prev_lens = batch.spec_info.accept_lens.cpu().tolist()
-            stride = len(prev_tokens) // bs
-            pending = [prev_tokens[i * stride: i * stride + prev_lens[i]] for i in range(bs)]
-        else:
-            pending = [()] * bs
-        return [
-            RequestView(req.rid, req.origin_input_ids_unpadded, req.output_ids, pending[i])
-            for i, req in enumerate(batch.reqs)
-        ]
-
     def _harvest_timings(self) -> None:
         while self._timings and self._timings[0][3].query():
             width, bs, start, end = self._timings.popleft()
@@ -256,7 +242,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self.planner.release(self._prev_decode_rids - current_rids)
         self._prev_decode_rids = current_rids
         self._harvest_timings()
-        plan = self.planner.plan(self._request_views(batch))
+        use_prev_tokens = self.enable_overlap and not batch.grammar_needs_sync()
+        plan = self.planner.plan(request_views(batch, use_prev_tokens))
         width = plan.width
         self._activate_width(width)
         with get_spec().override(speculative_num_draft_tokens=width):
@@ -298,11 +285,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
             accept_tokens = predict[accept_index]
             if self.model_runner.watermark_state is not None and batch.sampling_info.has_watermark_candidates:
                 self.model_runner.watermark_state.append_speculative(batch.req_pool_indices, accept_tokens, accept_lens)
-            if width < self.max_width:  # keep SGLang's fixed output stride
-                padded = torch.zeros((bs, self.max_width), dtype=accept_tokens.dtype, device=accept_tokens.device)
-                padded[:, :width] = accept_tokens
-                accept_tokens = padded
-            accept_tokens = accept_tokens.flatten()
+            accept_tokens = padded_rows(accept_tokens, self.max_width)  # SGLang's fixed output stride
             move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1, self.token_to_kv_pool_allocator)
             if batch.return_logprob:
                 compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
@@ -316,30 +299,23 @@ class NgramAdaptiveWorker(NGRAMWorker):
         batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
         predict = batch_result.next_token_ids
         new_seq_lens = batch.seq_lens.clone()
-        accept_tokens = torch.zeros(bs, self.max_width, dtype=torch.int32, device=self.device)
-        accept_tokens[:, 0] = predict
+        accept_tokens = padded_rows(predict.to(torch.int32).view(bs, 1), self.max_width)
         accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
         if on_publish is not None:
             on_publish(new_seq_lens)
-        result = self._result(batch_result.logits_output, accept_tokens.flatten(), accept_lens, new_seq_lens,
+        result = self._result(batch_result.logits_output, accept_tokens, accept_lens, new_seq_lens,
                               batch_result.can_run_cuda_graph, self.max_width)
         result.next_token_ids = predict
         return result
 
     def _result(self, logits_output, accept_tokens, accept_lens, new_seq_lens, can_run_cuda_graph, width):
-        next_draft_input = NgramVerifyInput(
-            draft_token_num=self.max_width,
-            new_seq_lens=new_seq_lens,
-            accept_tokens=accept_tokens,
-            accept_lens=accept_lens,
-        )
         return GenerationBatchResult(
             logits_output=logits_output,
             next_token_ids=accept_tokens,
             can_run_cuda_graph=can_run_cuda_graph,
             accept_lens=accept_lens,
             new_seq_lens=new_seq_lens,
-            next_draft_input=next_draft_input,
+            next_draft_input=next_draft_input(accept_tokens, accept_lens, new_seq_lens, self.max_width),
             speculative_num_draft_tokens=width,
             speculative_output_stride=self.max_width,
         )

@@ -1,0 +1,86 @@
+"""Step outputs at changing widths through SGLang's real overlap relay (`FutureMap`) and batch ops, on CPU."""
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang")
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.sglang
+MAX_WIDTH = 16
+
+
+@pytest.fixture(scope="module")
+def sglang_parts():
+    import ngramspec_sglang
+    from sglang.srt.managers.overlap_utils import RelayPayload
+    from sglang.srt.speculative.ngram_info import NgramVerifyInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    ngramspec_sglang.register()
+    return SpeculativeAlgorithm.from_string("NGRAM_ADAPTIVE"), RelayPayload, NgramVerifyInput
+
+
+def step_output(accepted: list[list[int]], width: int):
+    """What the worker returns after a verify at `width`: [bs, width] tokens (garbage past accept_len)."""
+    from ngramspec_sglang.relay import next_draft_input, padded_rows
+
+    rows = torch.full((len(accepted), width), 777, dtype=torch.int32)
+    for i, toks in enumerate(accepted):
+        rows[i, : len(toks)] = torch.tensor(toks, dtype=torch.int32)
+    lens = torch.tensor([len(t) for t in accepted], dtype=torch.int32)
+    return next_draft_input(padded_rows(rows, MAX_WIDTH), lens, torch.tensor([100] * len(accepted)), MAX_WIDTH)
+
+
+def test_relay_carries_each_steps_tokens_whatever_the_width(sglang_parts):
+    from ngramspec_sglang.relay import request_views
+
+    algo, RelayPayload, NgramVerifyInput = sglang_parts
+    pool = SimpleNamespace(req_to_token=torch.zeros(8, 64, dtype=torch.int32))
+    future_map = algo.create_future_map(torch.device("cpu"), pool, needs_cpu_seq_lens=False)
+    reqs = [SimpleNamespace(rid="a", origin_input_ids_unpadded=[1, 2], output_ids=[3]),
+            SimpleNamespace(rid="b", origin_input_ids_unpadded=[4], output_ids=[])]
+    slots = torch.tensor([3, 5])
+    steps = [(4, [[9, 8, 7], [6]]), (16, [[1] * 16, [2, 3]]), (1, [[5], [4]]), (12, [[6, 6], [1, 2, 3, 4, 5]])]
+    for width, accepted in steps:
+        future_map.stash(slots, RelayPayload.from_ngram(step_output(accepted, width)))
+        batch = SimpleNamespace(reqs=reqs, spec_info=NgramVerifyInput(future_indices=slots, new_seq_lens=slots))
+        future_map._resolve_spec_extras(batch)  # what the scheduler does before the next forward
+        views = request_views(batch, use_prev_tokens=True)
+        assert [list(v.pending) for v in views] == accepted
+
+
+def test_a_relay_at_the_step_width_would_break(sglang_parts):
+    """Why the stride stays at the largest width: SGLang sizes the relay buffer from the first payload."""
+    algo, RelayPayload, NgramVerifyInput = sglang_parts
+    pool = SimpleNamespace(req_to_token=torch.zeros(8, 64, dtype=torch.int32))
+    future_map = algo.create_future_map(torch.device("cpu"), pool, needs_cpu_seq_lens=False)
+    slots = torch.tensor([1])
+
+    def unpadded(width):
+        return NgramVerifyInput(draft_token_num=width, new_seq_lens=slots, accept_lens=torch.tensor([1]),
+                                accept_tokens=torch.zeros(width, dtype=torch.int32))
+
+    future_map.stash(slots, RelayPayload.from_ngram(unpadded(4)))
+    with pytest.raises(RuntimeError):
+        future_map.stash(slots, RelayPayload.from_ngram(unpadded(8)))
+
+
+def test_filter_and_merge_keep_rows_aligned_across_widths(sglang_parts):
+    first = step_output([[1, 2], [3]], width=4)
+    second = step_output([[4, 5, 6, 7, 8, 9, 10, 11]], width=12)
+    first.merge_batch(second)
+    first.filter_batch(torch.tensor([2, 0]))
+    rows = first.accept_tokens.view(-1, MAX_WIDTH)
+    assert rows[0, :8].tolist() == [4, 5, 6, 7, 8, 9, 10, 11] and rows[1, :2].tolist() == [1, 2]
+    assert first.accept_lens.tolist() == [8, 2]
+
+
+def test_padded_rows_rejects_bad_shapes():
+    from ngramspec_sglang.relay import padded_rows
+
+    with pytest.raises(ValueError, match="exceeds"):
+        padded_rows(torch.zeros((2, 17), dtype=torch.int32), MAX_WIDTH)
+    with pytest.raises(ValueError, match=r"\[bs, width\]"):
+        padded_rows(torch.zeros(16, dtype=torch.int32), MAX_WIDTH)
+    assert padded_rows(torch.ones((2, 3), dtype=torch.int32), 4).tolist() == [1, 1, 1, 0, 1, 1, 1, 0]
