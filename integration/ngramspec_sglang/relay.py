@@ -1,4 +1,5 @@
-"""Step outputs in SGLang's fixed-stride NGRAM format, and the request views read back from them.
+"""Per-step tensors in SGLang's NGRAM formats: the verify attention mask, the fixed-stride outputs, and
+the request views read back from the relay.
 
 Imports only CPU-safe sglang modules (tested on CPU with SGLang's real `FutureMap` relay). SGLang sizes the
 overlap relay buffer from the first payload it sees and reshapes every later one by `draft_token_num`, so
@@ -11,6 +12,29 @@ import torch
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from .drafting import RequestView
+
+
+def full_verify_mask(tree_mask: torch.Tensor, seq_lens_cpu) -> torch.Tensor:
+    """NGRAM's flat verify mask: per request `[width, seq_len + width]` rows (all prefix tokens visible, then
+    the tree mask), concatenated; what `NgramVerifyInput.generate_attn_arg_prefill` indexes. One scatter on
+    the mask's device instead of NGRAMWorker's per-request concatenation."""
+    if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2]:
+        raise ValueError(f"tree_mask must be [bs, width, width], got shape {tuple(tree_mask.shape)}")
+    bs, width = tree_mask.shape[0], tree_mask.shape[1]
+    seq = torch.as_tensor(seq_lens_cpu, dtype=torch.int64).reshape(-1)
+    if seq.numel() != bs:
+        raise ValueError(f"{bs} trees but {seq.numel()} sequence lengths")
+    row_len = seq + width
+    starts = torch.zeros(bs, dtype=torch.int64)
+    starts[1:] = torch.cumsum(row_len * width, 0)[:-1]
+    total = int((row_len * width).sum())
+    device = tree_mask.device
+    rows = torch.arange(width, dtype=torch.int64)
+    index = (starts[:, None, None] + rows[None, :, None] * row_len[:, None, None] + seq[:, None, None]
+             + rows[None, None, :])
+    out = torch.ones(total, dtype=torch.bool, device=device)
+    out[index.reshape(-1).to(device)] = tree_mask.to(torch.bool).reshape(-1)
+    return out
 
 
 def padded_rows(accept_tokens: torch.Tensor, stride: int) -> torch.Tensor:

@@ -48,7 +48,7 @@ from sglang.srt.utils import is_cpu
 
 from .config import resolve_config
 from .drafting import DraftPlanner
-from .relay import next_draft_input, padded_rows, request_views
+from .relay import full_verify_mask, next_draft_input, padded_rows, request_views
 
 logger = logging.getLogger(__name__)
 _is_cpu = is_cpu()
@@ -202,12 +202,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         )
         custom_mask = tree_mask
         if not _is_cpu:  # full mask [w, seq_len + w] per request, as NGRAMWorker (USE_FULL_MASK)
-            mask3 = torch.from_numpy(plan.mask.astype(np.bool_)).to(self.device, non_blocking=True)
-            custom_mask = torch.cat([
-                torch.cat((torch.ones((w, int(batch.seq_lens_cpu[i])), dtype=torch.bool, device=self.device),
-                           mask3[i]), dim=1).flatten()
-                for i in range(bs)
-            ])
+            custom_mask = full_verify_mask(tree_mask.view(bs, w, w), batch.seq_lens_cpu[:bs])
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = draft_tokens
         batch.out_cache_loc = assign_extend_cache_locs_func(

@@ -84,3 +84,21 @@ def test_padded_rows_rejects_bad_shapes():
     with pytest.raises(ValueError, match=r"\[bs, width\]"):
         padded_rows(torch.zeros(16, dtype=torch.int32), MAX_WIDTH)
     assert padded_rows(torch.ones((2, 3), dtype=torch.int32), 4).tolist() == [1, 1, 1, 0, 1, 1, 1, 0]
+
+
+def test_full_verify_mask_equals_ngram_workers_construction():
+    from ngramspec_sglang.relay import full_verify_mask
+
+    gen = torch.Generator().manual_seed(0)
+    for bs, width in [(1, 1), (3, 4), (5, 16), (2, 7)]:
+        tree = torch.rand((bs, width, width), generator=gen) < 0.5
+        seq_lens = torch.randint(0, 40, (bs,), generator=gen)
+        # NGRAMWorker._prepare_for_speculative_decoding (USE_FULL_MASK), per request
+        expected = torch.cat([torch.cat((torch.ones((width, int(seq_lens[i]))), tree[i]), dim=1).to(torch.bool).flatten()
+                              for i in range(bs)])
+        got = full_verify_mask(tree, seq_lens)
+        assert torch.equal(got, expected)
+        # the size NgramVerifyInput.generate_attn_arg_prefill expects
+        assert got.numel() == int(seq_lens.sum()) * width + width * width * bs
+    with pytest.raises(ValueError, match="sequence lengths"):
+        full_verify_mask(torch.ones((2, 3, 3), dtype=torch.bool), [1])
