@@ -71,7 +71,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self.draft_token_num = self.max_width  # output stride (NGRAMWorker helpers read it)
         self.speculative_num_draft_tokens = self.max_width  # active width; SGLang's gauge reads it
         self.speculative_num_steps = get_spec().speculative_num_steps
-        self.topk = 1
+        self.topk = get_spec().speculative_eagle_topk  # tree breadth bound, as NGRAM
         self.max_trie_depth = self.config.max_depth
         self.adaptive_controller = None
         self.grammar_tree_host: Optional[tuple] = None
@@ -131,7 +131,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._width_states[self.max_width] = (runner.attn_backend, runner.decode_cuda_graph_runner)
         graphs_enabled = not check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)
         for width in self.config.widths[:-1]:
-            with get_spec().override(speculative_num_draft_tokens=width, speculative_num_steps=max(1, width - 1)):
+            steps = max(1, width // max(1, self.topk))  # as resolved for the largest width
+            with get_spec().override(speculative_num_draft_tokens=width, speculative_num_steps=steps):
                 saved = runner.init_new_workspace
                 try:
                     backend = runner._get_attention_backend(init_new_workspace=True)
@@ -142,7 +143,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
                     graph_runner = runner._decode_cuda_graph_runner_cls()(
                         runner,
                         attn_backend=backend,
-                        speculative_num_steps=max(1, width - 1),
+                        speculative_num_steps=steps,
                         speculative_num_draft_tokens=width,
                     )
             self._width_states[width] = (backend, graph_runner)
