@@ -34,23 +34,20 @@ BASELINE = "none"
 
 @njit(cache=True)
 def accepted_length(tokens, parents, output, pos):
-    """Number of draft nodes greedy verification accepts: the deepest root path matching `output[pos:]`."""
-    n = tokens.shape[0]
+    """Draft nodes greedy verification accepts against `output[pos:]`: from the root, step to the first child
+    (in node order) whose token is the next true token, as a tree verify kernel walks it."""
     remaining = output.shape[0] - pos
-    depth = np.empty(n, np.int64)  # depth of a matching node (1 = child of the root), 0 if it does not match
-    best = 0
-    for j in range(n):
+    current = -1
+    depth = 0
+    for j in range(tokens.shape[0]):
         parent = parents[j]
         if parent >= j or parent < -1:
             raise ValueError("draft parents must satisfy -1 <= parents[j] < j")
-        d = 1 if parent < 0 else depth[parent] + 1
-        if (parent >= 0 and depth[parent] == 0) or d > remaining or tokens[j] != output[pos + d - 1]:
-            depth[j] = 0
-        else:
-            depth[j] = d
-            if d > best:
-                best = d
-    return best
+        # the children of `current` all come after it, so one forward pass finds the path
+        if parent == current and depth < remaining and tokens[j] == output[pos + depth]:
+            current = j
+            depth += 1
+    return depth
 
 
 @dataclass

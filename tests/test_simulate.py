@@ -71,6 +71,22 @@ def test_accepted_length_stops_at_end_of_output():
     assert accepted_length(tokens, parents, output, 1) == 1  # the truth from pos 1 is [2]; 3 lies beyond
 
 
+def random_tree(rng, n, vocab):
+    parents = np.array([rng.integers(-1, j) for j in range(n)], dtype=np.int32)
+    return rng.integers(0, vocab, size=n).astype(np.int32), parents
+
+
+def test_accepted_length_agrees_with_layout_accepted_path():
+    layout = pytest.importorskip("ngramspec.layout")
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        tokens, parents = random_tree(rng, int(rng.integers(1, 12)), 3)  # small vocab: duplicate siblings too
+        output = rng.integers(0, 3, size=int(rng.integers(1, 10))).astype(np.int32)
+        pos = int(rng.integers(0, len(output)))
+        assert accepted_length(tokens, parents, output, pos) == len(layout.accepted_path(tokens, parents,
+                                                                                          output[pos:]))
+
+
 def test_accepted_length_rejects_bad_parents():
     output = np.array([1, 2], dtype=np.int32)
     with pytest.raises(ValueError):
