@@ -14,7 +14,8 @@ the root being the last committed token, and `parents[j] < j`):
     observe_step(batch, width, ms)     the simulated step time under the profile, for adaptive methods
     finish(rid)                        the request is done
 
-Optional hooks the simulator honours: `needs_future = True` makes it call `see_future(rid, output)` before
+Optional hooks the simulator honours: `warmup()` runs before the replay's clock starts (JIT compilation stays
+out of the proposer's time); `needs_future = True` makes it call `see_future(rid, output)` before
 `start` (upper bounds only); `profile_dependent = True` makes it replay once per profile and call
 `bind_profile(profile)` first.
 """
