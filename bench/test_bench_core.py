@@ -13,7 +13,7 @@ Methods (each skips with a reason when its package is missing; the whole file sk
   `start_request(prompt)`, one `speculate` per request (max_spec_tokens 8, its defaults otherwise),
   `add_active_response(new tokens)`, `stop_request`; int32 arrays throughout.
 
-Workload per trace: its first 160 requests, outputs cut to their first 160 tokens, served closed-loop with
+Workload per trace: its first 128 requests, outputs cut to their first 128 tokens, served closed-loop with
 continuous batching at batch 1 or 64: each step every active request gets a draft, greedy verification against
 the recorded output accepts a prefix, accepted + 1 tokens are committed. Only the method's own calls are
 timed, never the driver; each is timed in process CPU time (all threads, so SGLang's insert thread counts:
@@ -48,7 +48,7 @@ from ngramspec.traces import dev_trace_paths, load_trace
 
 D, BUDGET = 16, 8
 BATCHES = (1, 64)
-N_REQUESTS, OUTPUT_CAP = 160, 160
+N_REQUESTS, OUTPUT_CAP = 128, 128
 SGLANG_DEPTH, SGLANG_WIDTH = 18, BUDGET + 1
 ARCTIC_DEPTH = 64
 MEMORY_EVERY = 64  # steps between memory samples (untimed)
