@@ -1,0 +1,123 @@
+"""The SGLang API the GPU worker relies on, checked statically against the installed sglang (CPU).
+
+`ngramspec_sglang.worker` cannot be imported without libcuda, so these tests read the installed sglang sources:
+every name the worker imports exists, and the methods, parameters and fields it calls are there. They guard
+the pinned range (sglang>=0.5.23,<0.6) against drift; behaviour on a GPU is tested by test_sglang_gpu.py.
+"""
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+pytestmark = pytest.mark.sglang
+WORKER = Path(__file__).resolve().parents[2] / "integration" / "ngramspec_sglang" / "worker.py"
+
+
+def module_file(module: str) -> Path:
+    root = Path(importlib.util.find_spec("sglang").origin).parent.parent
+    base = root / module.replace(".", "/")
+    path = base.with_suffix(".py")
+    return path if path.is_file() else base / "__init__.py"
+
+
+def top_level_names(module: str, seen=None) -> set:
+    """Names a module defines or imports at top level (following `from x import *`, and if/try blocks)."""
+    seen = set() if seen is None else seen
+    if module in seen:
+        return set()
+    seen.add(module)
+    tree = ast.parse(module_file(module).read_text())
+    names = set()
+    nodes = list(tree.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            nodes.extend(node.body + node.orelse + getattr(node, "finalbody", []) +
+                         [h for hs in getattr(node, "handlers", []) for h in hs.body])
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                if a.name == "*" and node.module:
+                    names |= top_level_names(node.module, seen)
+                else:
+                    names.add(a.asname or a.name)
+    return names
+
+
+def class_node(module: str, name: str) -> ast.ClassDef:
+    for node in ast.walk(ast.parse(module_file(module).read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise LookupError(f"{module}.{name} not found")
+
+
+def method_params(module: str, cls: str, method: str) -> list[str]:
+    for node in class_node(module, cls).body:
+        if isinstance(node, ast.FunctionDef) and node.name == method:
+            args = node.args
+            return [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+    raise LookupError(f"{cls}.{method} not found in {module}")
+
+
+def test_every_sglang_name_the_worker_imports_exists():
+    checked = 0
+    for node in ast.parse(WORKER.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang"):
+            names = top_level_names(node.module)
+            for alias in node.names:
+                assert alias.name in names, f"{node.module} has no {alias.name}"
+                checked += 1
+    assert checked >= 20
+
+
+@pytest.mark.parametrize("module, cls, method, params", [
+    ("sglang.srt.model_executor.model_runner", "ModelRunner", "_get_attention_backend", ["init_new_workspace"]),
+    ("sglang.srt.model_executor.model_runner", "ModelRunner", "_decode_cuda_graph_runner_cls", []),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner", "__init__",
+     ["model_runner", "attn_backend", "speculative_num_steps", "speculative_num_draft_tokens"]),
+    ("sglang.srt.managers.tp_worker", "TpModelWorker", "forward_batch_generation", ["batch", "is_verify"]),
+    ("sglang.srt.distributed.parallel_state", "GroupCoordinator", "broadcast_object", ["obj", "src"]),
+    ("sglang.srt.managers.schedule_batch", "ScheduleBatch", "grammar_needs_sync", []),
+    ("sglang.srt.speculative.ngram_worker", "NGRAMWorker", "alloc_memory_pool", []),
+    ("sglang.srt.speculative.ngram_worker", "NGRAMWorker", "forward_batch_generation",
+     ["batch", "on_publish", "pp_proxy_tensors"]),
+    ("sglang.srt.speculative.base_spec_worker", "BaseSpecWorker", "init_cuda_graphs", []),
+    ("sglang.srt.runtime_context", "_ConfigBag", "override", []),
+])
+def test_methods_the_worker_calls_exist(module, cls, method, params):
+    have = method_params(module, cls, method)
+    assert set(params) <= set(have), f"{cls}.{method}{tuple(have)} lacks {set(params) - set(have)}"
+
+
+def test_ngram_worker_allocates_through_the_hook_we_override():
+    """NGRAMWorker.alloc_memory_pool sets max_batch_size and calls _init_preallocated_tensors (ours)."""
+    source = ast.get_source_segment(
+        module_file("sglang.srt.speculative.ngram_worker").read_text(),
+        next(n for n in class_node("sglang.srt.speculative.ngram_worker", "NGRAMWorker").body
+             if isinstance(n, ast.FunctionDef) and n.name == "alloc_memory_pool"),
+    )
+    assert "self.max_batch_size" in source and "self._init_preallocated_tensors()" in source
+
+
+def test_result_and_verify_input_fields():
+    import inspect
+
+    from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+    result = class_node("sglang.srt.managers.utils", "GenerationBatchResult")
+    fields = {n.target.id for n in result.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert {"speculative_num_draft_tokens", "speculative_output_stride", "next_draft_input", "accept_lens",
+            "new_seq_lens", "can_run_cuda_graph", "next_token_ids", "logits_output"} <= fields
+    params = inspect.signature(NgramVerifyInput.__init__).parameters
+    assert {"draft_token", "custom_mask", "positions", "retrieve_index", "retrieve_next_token",
+            "retrieve_next_sibling", "draft_token_num", "new_seq_lens", "accept_tokens", "accept_lens"} <= set(params)
