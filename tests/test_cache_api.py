@@ -148,6 +148,14 @@ BAD_CALLS = {  # name: (call, exception, message pattern)
     "budgets length differs": (_propose(RIDS, [8]), ValueError, "budgets"),
     "budgets 2-D": (_propose(RIDS, [[8], [8]]), (TypeError, ValueError), "budget"),
     "propose id twice": (_propose(["a", "a", 7], 4), ValueError, "twice"),
+    "history of unknown id": (lambda c: c.history("ghost"), KeyError, "ghost"),
+    "match_length of unknown id": (lambda c: c.match_length("ghost"), KeyError, "ghost"),
+    "match_length bad source": (lambda c: c.match_length("a", source="both"), ValueError, "source"),
+    "count bad source": (lambda c: c.count([5, 6], source="both", rid="a"), ValueError, "source"),
+    "count unknown id": (lambda c: c.count([5, 6], rid="ghost"), KeyError, "ghost"),
+    "count empty ngram": (lambda c: c.count([], source="shared"), ValueError, "ngram"),
+    "count too long": (lambda c: c.count(list(range(9)), source="shared"), ValueError, "max_depth"),
+    "count float ngram": (lambda c: c.count([1.5], source="shared"), TypeError, "ngram"),
 }
 
 
@@ -173,6 +181,33 @@ def test_bad_tokens_raise_and_change_nothing(name, verb):
         call(bad)
     assert "new" not in bad
     assert_same_state(bad, twin)
+
+
+BAD_CONFIGS = {  # name: (constructor arguments, the argument the message must name)
+    "max_depth 1": (dict(max_depth=1), "max_depth"),
+    "max_depth 128": (dict(max_depth=128), "max_depth"),
+    "max_depth float": (dict(max_depth=8.5), "max_depth"),
+    "max_requests 0": (dict(max_requests=0), "max_requests"),
+    "max_requests float": (dict(max_requests=3.5), "max_requests"),
+    "local_nodes below max_requests + 1": (dict(max_requests=8, local_nodes=8), "local_nodes"),
+    "local_nodes float": (dict(local_nodes=4096.5), "local_nodes"),
+    "shared_nodes too small": (dict(shared_nodes=3), "shared_nodes"),
+    "shared_tokens 1": (dict(shared_tokens=1), "shared_tokens"),
+    "shared_segments 0": (dict(shared_segments=0), "shared_segments"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_bad_configuration_is_rejected(name):
+    kwargs, argument = BAD_CONFIGS[name]
+    with pytest.raises((TypeError, ValueError), match=argument):
+        NgramCache(**{**CONFIG, **kwargs})
+
+
+def test_numpy_integer_configuration_is_accepted():
+    cache = NgramCache(**{k: np.int64(v) for k, v in CONFIG.items()})
+    cache.start_request("a", PROMPTS["a"])
+    assert cache.max_depth == CONFIG["max_depth"] and cache.propose(["a"], 4).offsets[-1] > 0
 
 
 def test_too_many_active_requests():
@@ -354,6 +389,14 @@ def test_own_history_wins_ties_and_is_source_0():
     cache.start_request("second", CONTEXT + [500, 501] + CONTEXT)  # own history continues with 500
     d = cache.propose(["second"], 4, tree=False).draft(0)
     assert d.tokens[0] == 500 and d.sources[0] == 0
+
+
+def test_longer_shared_match_wins_over_own_history():
+    cache = NgramCache(**CONFIG)
+    _share_one(cache)
+    cache.start_request("second", [303, 999] + CONTEXT)  # own history: only "303" seen before (match 1)
+    d = cache.propose(["second"], 3, tree=False).draft(0)
+    assert d.tokens.tolist() == CONTINUATION[:3] and d.sources.tolist() == [1, 1, 1]
 
 
 def test_share_false_keeps_the_output_private():
