@@ -12,14 +12,17 @@ depend on tokens, acceptance and rank 0's timings only, and are identical on all
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from ngramspec.cache import NgramCache
+from ngramspec.cache import DraftBatch, NgramCache
 
 from .config import AdaptiveConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -194,6 +197,7 @@ class DraftPlanner:
         self.layout = layout
         self.stats = IntervalStats()
         self._fed: dict[Hashable, int] = {}  # committed tokens the cache has seen, per request
+        self._untracked: set = set()  # requests the cache had no room for: served without drafts
         self._last: dict[Hashable, tuple[int, int]] = {}  # rid -> (committed length at planning, drafted)
         self._local_durations: list[DurationSample] = []
         self._steps = 0
@@ -212,7 +216,7 @@ class DraftPlanner:
         self._steps += 1
 
         rids = [v.rid for v in views]
-        batch = self.cache.propose(rids, max(1, self.config.max_width - 1), tree=self.config.tree)
+        batch = self._propose(rids)
         decision = self.controller.plan(rids, batch)
         plan = self._build(views, batch, decision)
         for v, k in zip(views, plan.drafted):
@@ -231,7 +235,10 @@ class DraftPlanner:
             if rid in self._fed:
                 del self._fed[rid]
                 self._last.pop(rid, None)
-                self.cache.finish_request(rid, share=True)
+                if rid in self._untracked:
+                    self._untracked.discard(rid)
+                else:
+                    self.cache.finish_request(rid, share=True)
                 self.controller.finish(rid)
 
     @property
@@ -250,14 +257,19 @@ class DraftPlanner:
                 if total == 0:
                     raise ValueError(f"request {v.rid!r} has no tokens")
                 prompt = list(v.prompt) if len(v.prompt) else v.tail(0)[:1]
-                self.cache.start_request(v.rid, prompt)
+                try:
+                    self.cache.start_request(v.rid, prompt)
+                except RuntimeError as e:  # cache full: serve it undrafted rather than fail the batch
+                    self._untracked.add(v.rid)
+                    logger.warning("NGRAM_ADAPTIVE: request %r served without drafts: %s", v.rid, e)
                 self.controller.start(v.rid)
                 fed = len(prompt)
                 self._fed[v.rid] = fed
             if total > fed:
                 tokens = v.tail(fed)
-                new_rids.append(v.rid)
-                new_tokens.append(tokens)
+                if v.rid not in self._untracked:
+                    new_rids.append(v.rid)
+                    new_tokens.append(tokens)
                 self._fed[v.rid] = total
                 self.controller.observe_tokens(v.rid, tokens)
             last = self._last.pop(v.rid, None)
@@ -266,6 +278,26 @@ class DraftPlanner:
         if new_rids:
             self.cache.add_tokens_batch(new_rids, new_tokens)
         return np.asarray(accepted, dtype=np.int64)
+
+    def _propose(self, rids) -> DraftBatch:
+        """Drafts for the batch; requests without cache state get empty drafts."""
+        budget = max(1, self.config.max_width - 1)
+        tracked = [r for r in rids if r not in self._untracked]
+        if len(tracked) == len(rids):
+            return self.cache.propose(rids, budget, tree=self.config.tree)
+        part = self.cache.propose(tracked, budget, tree=self.config.tree) if tracked else None
+        sizes, match, k = np.zeros(len(rids), np.int64), np.zeros(len(rids), np.int64), 0
+        for i, rid in enumerate(rids):
+            if rid not in self._untracked:
+                sizes[i] = part.offsets[k + 1] - part.offsets[k]
+                match[i] = part.match_lens[k]
+                k += 1
+        offsets = np.zeros(len(rids) + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        if part is None:
+            empty = np.zeros(0, np.int32)
+            return DraftBatch(empty, empty.copy(), np.zeros(0, np.float32), np.zeros(0, np.int8), offsets, match)
+        return DraftBatch(part.tokens, part.parents, part.probs, part.sources, offsets, match)
 
     def _build(self, views, batch, decision) -> StepPlan:
         width = int(decision.width)

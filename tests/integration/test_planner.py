@@ -228,3 +228,19 @@ def test_planner_uses_the_cache_it_is_given():
     p = DraftPlanner(AdaptiveConfig(widths=(1, 4), max_depth=4), cache=cache, controller=FixedWidthController(4))
     p.plan([RequestView("a", [1, 2, 1, 2], [])])
     assert "a" in cache
+
+
+def test_requests_the_cache_has_no_room_for_are_served_without_drafts():
+    cache = NgramCache(max_depth=4, max_requests=2, local_nodes=64)
+    ctrl = RecordingController([4, 4, 4])
+    p = DraftPlanner(AdaptiveConfig(widths=(1, 4), max_depth=4), cache=cache, controller=ctrl)
+    views = [RequestView(r, [1, 2, 1, 2, 1], []) for r in ("a", "b", "c")]
+    plan = p.plan(views)  # "c" does not fit (max_requests=2): no exception, no draft for it
+    assert plan.drafted.tolist()[2] == 0 and plan.drafted.tolist()[0] > 0
+    assert plan.tokens[2].tolist() == [1, 0, 0, 0]  # root, then padding
+    assert "c" not in cache and ctrl.started == ["a", "b", "c"]
+    p.plan([RequestView(r, [1, 2, 1, 2, 1], [2]) for r in ("a", "b", "c")])
+    p.release(["a", "c"])
+    assert ctrl.finished == ["a", "c"]
+    plan = p.plan([RequestView("d", [3, 4, 3, 4, 3], [])])  # room again
+    assert "d" in cache and plan.drafted.tolist() == [3]
