@@ -212,3 +212,18 @@ def test_decode_report_runs_with_the_mean_width(published):
     assert report_with_mean_width(sglang_formula, reporter) == pytest.approx(12 / 23)
     assert get_spec().speculative_num_draft_tokens == before  # scoped: restored afterwards
     assert published == [True]
+
+
+def test_our_gauges_export_the_interval_summary():
+    from prometheus_client import REGISTRY
+
+    from ngramspec_sglang.drafting import IntervalStats
+    from ngramspec_sglang.metrics import NgramspecGauges
+
+    stats = IntervalStats(verify_steps=2, verified_requests=4, width_tokens=40, drafted_tokens=30,
+                          expected_tokens=9.0, observed_requests=4, realized_accepted=6)
+    NgramspecGauges().publish(stats.summary())
+    assert REGISTRY.get_sample_value("ngramspec:verify_width") == 10.0
+    assert REGISTRY.get_sample_value("ngramspec:drafted_tokens") == 7.5
+    assert REGISTRY.get_sample_value("ngramspec:predicted_accept_length") == 2.25
+    assert REGISTRY.get_sample_value("ngramspec:realized_accept_length") == 2.5
