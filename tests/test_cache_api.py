@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ngramspec import NgramCache
 from ngramspec.cache import MAX_TOKEN, DraftBatch
@@ -469,3 +471,52 @@ def test_full_local_pool_still_admits_requests():
     for rid in ["b", "c", "d"]:
         cache.start_request(rid, [1, 2, 3, 1, 2])
         assert_valid_batch(cache.propose([rid, "big"], 4), [4, 4])
+
+
+# ------------------------------------------------------------------------------------------- random lifecycles
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_lifecycles_keep_bounds_and_histories(seed):
+    """Random interleavings of every verb on tiny pools (eviction and full pools all the time): no crash, bounds
+    hold, histories equal what was fed, drafts are valid, and once all requests finish no local node is live."""
+    rng = np.random.default_rng(seed)
+    D, R = int(rng.integers(2, 10)), int(rng.integers(1, 5))
+    cfg = dict(max_depth=D, max_requests=R, local_nodes=int(rng.integers(R + 1, 200)),
+               shared_nodes=int(rng.integers(2 * D + 2, 200)), shared_tokens=int(rng.integers(2, 150)),
+               shared_segments=int(rng.integers(1, 5)), use_shared=bool(rng.random() < 0.8))
+    cache = NgramCache(**cfg)
+    vocab = int(rng.choice([2, 3, 20, 10**6]))
+    fed: dict[int, list] = {}
+    next_id = 0
+    for _ in range(150):
+        op = rng.random()
+        if op < 0.15 and len(fed) < R:
+            prompt = rng.integers(0, vocab, int(rng.integers(1, 30))).tolist()
+            try:
+                cache.start_request(next_id, prompt)
+                fed[next_id] = prompt
+            except RuntimeError:  # the local pool is full (see test_full_local_pool_still_admits_requests)
+                assert next_id not in cache
+            next_id += 1
+        elif op < 0.55 and fed:
+            rids = [int(r) for r in rng.permutation(list(fed))[: int(rng.integers(1, len(fed) + 1))]]
+            tokens = [rng.integers(0, vocab, int(rng.integers(0, 6))).astype(np.int32) for _ in rids]
+            cache.add_tokens_batch(rids, tokens)
+            for r, t in zip(rids, tokens):
+                fed[r] += t.tolist()
+        elif op < 0.85 and fed:
+            rids = [int(r) for r in rng.permutation(list(fed))[: int(rng.integers(1, len(fed) + 1))]]
+            budgets = [int(b) for b in rng.integers(1, 12, len(rids))]
+            tree = bool(rng.random() < 0.5)
+            assert_valid_batch(cache.propose(rids, budgets, tree=tree), budgets, tree)
+        elif fed:
+            rid = list(fed)[int(rng.integers(len(fed)))]
+            assert cache.history(rid).tolist() == fed.pop(rid)
+            cache.finish_request(rid, share=bool(rng.random() < 0.8))
+        s = cache.stats()
+        assert s["local_nodes_live"] <= cfg["local_nodes"] and s["shared_nodes_live"] <= cfg["shared_nodes"]
+        assert s["shared_segments"] <= cfg["shared_segments"] and s["shared_tokens_held"] < cfg["shared_tokens"]
+        assert s["active_requests"] == len(fed)
+    for rid in list(fed):
+        cache.finish_request(rid)
+    assert cache.stats()["local_nodes_live"] == 0
