@@ -85,15 +85,10 @@ class NgramAdaptiveAlgo(CustomSpecAlgo):
             if getattr(server_args, name, None) != _field_default(name):
                 logger.warning("--%s is ignored by %s: %s", name.replace("_", "-"), ALGORITHM_NAME, reason)
 
-    def create_worker(self, server_args) -> type:
-        """Return the worker class (its import needs a GPU build of sglang: sgl_kernel, libcuda)."""
-        return self.factory(server_args)
-
 
 def _field_default(name: str) -> Any:
-    from sglang.srt.server_args import ServerArgs
-
     import msgspec
+    from sglang.srt.server_args import ServerArgs
 
     for f in msgspec.structs.fields(ServerArgs):
         if f.name == name:
@@ -127,8 +122,8 @@ def validate_server_args(server_args) -> None:
 
 
 def worker_factory(server_args) -> type:
-    """Import the GPU worker lazily: the algorithm registers in every process, the worker loads only
-    in the scheduler."""
+    """The worker class, imported lazily: the algorithm registers in every process, the worker (which
+    needs a CUDA build of sglang: sgl_kernel, libcuda) loads only in the scheduler."""
     from .worker import NgramAdaptiveWorker
 
     return NgramAdaptiveWorker
