@@ -8,14 +8,16 @@ every request the first ``min(n - 1, len)`` nodes of its best-first draft, maxim
 **P (acceptance)**. The cache gives each node a path probability from counts; the controller turns each node's
 conditional (its probability over its parent's) into a calibrated conditional acceptance, learned online from
 a table of Beta counts indexed by (source, match length, raw conditional, depth, the request's recent success
-rate). Every proposed draft is *shadow-evaluated* against the tokens the model then really commits, whether or
+rate); each cell shrinks towards a coarse cell (source, match length, raw conditional), which shrinks towards a
+deliberately pessimistic prior (a fraction of the raw conditional, larger for longer matches). Every proposed draft is *shadow-evaluated* against the tokens the model then really commits, whether or
 not it was sent: a request that stopped drafting keeps producing evidence at no cost, so it recovers after a dry
 spell without paid probes, and a request that starts copying earns long drafts within a few steps.
 
-**c(B, n) (cost)**. Learned from the step durations the server (or simulator) reports, per batch-size bucket and
-width (an exponential moving average). Widths not yet measured in a bucket are estimated from a prior (a
-calibration file, or a conservative default shape) scaled by what was measured, and each is tried once in a
-while (``explore_every`` steps) so a wrong prior is corrected. The controller is never told the true profile.
+**c(B, n) (cost)**. Learned from the step durations the server (or simulator) reports: an exponential moving
+average per (batch size, width); an unmeasured batch size borrows the nearest measured one of the same width.
+Unmeasured widths are estimated from a prior (a calibration file, or a conservative default shape) scaled by
+what was measured (interpolated between measured widths), and a few are tried, in a small bounded share of
+steps, so a wrong prior is corrected. The controller is never told the true profile.
 
 **Determinism and tensor parallelism**. Decisions depend only on tokens (drafts, committed tokens) and on the
 durations passed to ``observe_step``. Tokens are identical on every rank; durations are not, so a TP server
@@ -43,6 +45,7 @@ _QBINS = np.array([0.1, 0.25, 0.5, 0.75, 0.999], np.float64)  # raw conditional
 _DBINS = np.array([2, 4, 8], np.int64)  # depth: 1 | 2-3 | 4-7 | 8+
 _RBINS = 6  # request's recent success: unknown | 5 quantized levels
 _SHAPE = (2, 4, 6, 4, _RBINS)
+_COARSE = 4 * _RBINS  # fine cells per coarse cell (depth x request bins)
 
 
 def default_prior(batch: int, width: int) -> float:
@@ -82,35 +85,58 @@ def batch_bucket(batch: int) -> int:
 
 
 class CostModel:
-    """Online c(B, n): measured EWMA per (bucket, width); prior x learned scale where unmeasured."""
+    """Online c(B, n). A measured (B, n) is its EWMA. An unmeasured batch size borrows the nearest measured batch
+    size of the same width, rescaled by the prior's shape; an unmeasured width is the prior times the ratio
+    measured / prior learned in its batch bucket (or anywhere, or 1 before any measurement)."""
 
     def __init__(self, prior: Callable[[int, int], float] = default_prior, alpha: float = 0.2):
         self.prior = prior
         self.alpha = alpha
         self.ewma: dict[tuple[int, int], float] = {}
+        self.batches_of_width: dict[int, set] = {}
+        self.buckets_of_width: dict[int, set] = {}
         self.ratio: dict[int, float] = {}  # per bucket: measured / prior (EWMA)
         self.global_ratio: float | None = None
 
     def observe(self, batch: int, width: int, ms: float) -> None:
         if not (ms > 0 and math.isfinite(ms)):
             raise ValueError(f"step duration must be a positive finite number of ms, got {ms!r}")
-        key = (batch_bucket(batch), width)
+        key = (int(batch), int(width))
         old = self.ewma.get(key)
         self.ewma[key] = ms if old is None else old + self.alpha * (ms - old)
+        self.batches_of_width.setdefault(key[1], set()).add(key[0])
+        self.buckets_of_width.setdefault(key[1], set()).add(batch_bucket(key[0]))
         r = ms / self.prior(batch, width)
-        b = key[0]
+        b = batch_bucket(batch)
         self.ratio[b] = r if b not in self.ratio else self.ratio[b] + self.alpha * (r - self.ratio[b])
         g = self.global_ratio
         self.global_ratio = r if g is None else g + self.alpha * (r - g)
 
     def measured(self, batch: int, width: int) -> bool:
-        return (batch_bucket(batch), width) in self.ewma
+        """Whether this width was measured in this batch size's bucket."""
+        return batch_bucket(batch) in self.buckets_of_width.get(width, ())
 
     def estimate(self, batch: int, width: int) -> float:
-        key = (batch_bucket(batch), width)
+        key = (int(batch), int(width))
         if key in self.ewma:
             return self.ewma[key]
-        scale = self.ratio.get(key[0], self.global_ratio if self.global_ratio is not None else 1.0)
+        near = self.batches_of_width.get(key[1])
+        if near:
+            b = min(near, key=lambda x: (abs(math.log(x / key[0])), x))
+            return self.ewma[(b, key[1])] * self.prior(batch, width) / self.prior(b, width)
+        if width > 1:  # between two measured verify widths: interpolate their ratios to the prior
+            ws = sorted(w for w in self.batches_of_width if w > 1)
+            lo = [w for w in ws if w < width]
+            hi = [w for w in ws if w > width]
+            if lo and hi:
+                r_lo = self.estimate(batch, lo[-1]) / self.prior(batch, lo[-1])
+                r_hi = self.estimate(batch, hi[0]) / self.prior(batch, hi[0])
+                t = (width - lo[-1]) / (hi[0] - lo[-1])
+                return self.prior(batch, width) * ((1 - t) * r_lo + t * r_hi)
+            if lo or hi:
+                w = lo[-1] if lo else hi[0]
+                return self.prior(batch, width) * self.estimate(batch, w) / self.prior(batch, w)
+        scale = self.ratio.get(batch_bucket(batch), self.global_ratio if self.global_ratio is not None else 1.0)
         return self.prior(batch, width) * scale
 
 
@@ -135,6 +161,31 @@ def _node_cells(parents, probs, sources, offsets, mlens, rbins, mb, qb, db):
             di = np.searchsorted(db, depth[j], side="right")
             cells[j] = (((sources[j] * 4 + m) * 6 + qi) * 4 + di) * _RBINS + rbins[i]
     return cells
+
+
+@njit(cache=True)
+def _expected_tokens(parents, offsets, cells, succ, trials, coarse_succ, coarse_trials, prior_mean, strength,
+                     widths):
+    """Calibrated P(accepted) per node (a fine cell shrinks towards its coarse cell, which shrinks towards the
+    fixed prior; P is the product along the path) and, per width, the batch's expected tokens (bonus included)."""
+    n = parents.shape[0]
+    P = np.empty(n, np.float64)
+    B = offsets.shape[0] - 1
+    out = np.full(widths.shape[0], float(B))
+    for i in range(B):
+        a = offsets[i]
+        for j in range(a, offsets[i + 1]):
+            c = cells[j]
+            cc = c // _COARSE
+            coarse = (coarse_succ[cc] + strength * prior_mean[cc]) / (coarse_trials[cc] + strength)
+            cond = (succ[c] + strength * coarse) / (trials[c] + strength)
+            p = parents[j]
+            P[j] = cond if p < 0 else cond * P[a + p]
+            k = j - a + 1  # this node is the request's k-th: every width w with w - 1 >= k holds it
+            for w in range(widths.shape[0]):
+                if widths[w] - 1 >= k:
+                    out[w] += P[j]
+    return P, out
 
 
 @njit(cache=True)
@@ -179,16 +230,18 @@ class AdaptiveController:
     """Chooses the batch verify width and each request's draft prefix. See the module docstring.
 
     Knobs: ``widths`` (the verify widths a server holds CUDA graphs for), ``prior`` (c(B, n) before any
-    measurement: a callable or a calibration file path), ``explore_every`` (steps between tries of a width not yet
-    measured in the current batch bucket, and only one that would pay at half its estimated cost), ``prior_strength`` (pseudo-trials behind each calibration cell's prior),
+    measurement: a callable or a calibration file path), ``explore_frac`` (at most this share of a batch bucket's
+    steps, and at least one, try a width not yet measured there; only one that would win at half its estimated
+    cost, the most promising first; unmeasured widths between measured ones are interpolated, not explored), ``prior_strength`` (pseudo-trials behind each calibration cell's prior),
     ``prior_scale`` (per match-length bin: the prior of a cell's conditional acceptance is this times the cache's
     raw conditional; longer matches are trusted more),
-    ``request_alpha`` (EWMA weight of a request's recent success), ``trace_len`` (decisions kept for debugging).
+    ``request_alpha`` (EWMA weight of a request's recent success), ``min_gain`` (drafting must beat plain decoding
+    by this relative margin in expected goodput), ``trace_len`` (decisions kept for debugging).
     """
 
-    def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_every: int = 64,
-                 prior_strength: float = 2.0, prior_scale: Sequence[float] = (0.3, 0.45, 0.6, 0.75),
-                 request_alpha: float = 0.25,
+    def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
+                 prior_strength: float = 3.0, prior_scale: Sequence[float] = (0.15, 0.25, 0.35, 0.5),
+                 request_alpha: float = 0.25, min_gain: float = 0.05,
                  trace_len: int = 1000):
         widths = sorted(set(int(w) for w in widths))
         if not widths or widths[0] < 1:
@@ -196,24 +249,29 @@ class AdaptiveController:
         if widths[0] != 1:
             widths = [1] + widths
         self.widths = widths
+        self._widths = np.asarray(widths, np.int64)
         self.max_width = widths[-1]
         if isinstance(prior, str):
             prior = prior_from_calibration(prior)
         self.costs = CostModel(prior or default_prior)
-        self.explore_every = int(explore_every)
+        self.explore_frac = float(explore_frac)
         self.prior_strength = float(prior_strength)
         self.prior_scale = np.asarray(prior_scale, np.float64)
         if self.prior_scale.shape != (4,):
             raise ValueError("prior_scale needs one factor per match-length bin (1, 2-3, 4-7, 8+)")
         self.request_alpha = float(request_alpha)
-        self.succ = np.zeros(int(np.prod(_SHAPE)), np.float64)
+        self.min_gain = float(min_gain)
+        self.succ = np.zeros(int(np.prod(_SHAPE)), np.float64)  # fine cells
         self.trials = np.zeros_like(self.succ)
+        n_coarse = int(np.prod(_SHAPE[:3]))  # (source, match length, raw conditional)
+        self.coarse_succ = np.zeros(n_coarse, np.float64)
+        self.coarse_trials = np.zeros(n_coarse, np.float64)
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
-        self.prior_mean = np.broadcast_to(self.prior_scale[None, :, None, None, None] * q_mid[None, None, :, None, None],
-                                          _SHAPE).reshape(-1).copy()
+        self.prior_mean = np.broadcast_to(self.prior_scale[None, :, None] * q_mid[None, None, :],
+                                          _SHAPE[:3]).reshape(-1).copy()
         self.requests: dict[Hashable, _Request] = {}
         self.trace: deque = deque(maxlen=int(trace_len))
-        self._steps_since_explore: dict[int, int] = {}
+        self._bucket_steps: dict[int, tuple[int, int]] = {}  # per batch bucket: steps, explorations
         self._step = 0
 
     # --------------------------------------------------------------------------------------- requests
@@ -232,65 +290,73 @@ class AdaptiveController:
         return 1 + min(4, int(r.success * 5))
 
     # --------------------------------------------------------------------------------------- decide
-    def node_values(self, rids: Sequence[Hashable], batch: DraftBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Calibrated P(accepted) of every node of the batch, and each node's calibration cell."""
+    def _rbins(self, rids: Sequence[Hashable]) -> np.ndarray:
         try:
-            rbins = np.array([self._rbin(self.requests[r]) for r in rids], np.int64)
+            return np.array([self._rbin(self.requests[r]) for r in rids], np.int64)
         except KeyError as e:
             raise KeyError(f"unknown request id {e.args[0]!r}: call start() first") from None
-        cells = _node_cells(batch.parents, batch.probs.astype(np.float64), batch.sources.astype(np.int64),
-                            batch.offsets, batch.match_lens, rbins, _MBINS, _QBINS, _DBINS)
-        cond = (self.succ[cells] + self.prior_strength * self.prior_mean[cells]) / (self.trials[cells] + self.prior_strength)
-        return _path_values(batch.parents, batch.offsets, cond), cells
+
+    def _cells(self, rids, batch: DraftBatch) -> np.ndarray:
+        return _node_cells(batch.parents, batch.probs.astype(np.float64), batch.sources.astype(np.int64),
+                           batch.offsets, batch.match_lens, self._rbins(rids), _MBINS, _QBINS, _DBINS)
+
+    def node_values(self, rids: Sequence[Hashable], batch: DraftBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Calibrated P(accepted) of every node of the batch, and each node's calibration cell."""
+        cells = self._cells(rids, batch)
+        P, _ = _expected_tokens(batch.parents, batch.offsets, cells, self.succ, self.trials, self.coarse_succ,
+                                self.coarse_trials, self.prior_mean, self.prior_strength, self._widths)
+        return P, cells
 
     def plan(self, rids: Sequence[Hashable], batch: DraftBatch) -> Plan:
         """Pick the width and per-request prefixes for this step; records the drafts for calibration."""
         B = len(rids)
         if len(batch) != B:
             raise ValueError(f"{B} request ids but {len(batch)} drafts")
-        P, cells = self.node_values(rids, batch)
+        cells = self._cells(rids, batch)
+        _, expected = _expected_tokens(batch.parents, batch.offsets, cells, self.succ, self.trials,
+                                       self.coarse_succ, self.coarse_trials, self.prior_mean,
+                                       self.prior_strength, self._widths)
         lens = np.diff(batch.offsets)
         for i, rid in enumerate(rids):  # shadow-evaluate this draft unless one is already pending
             r = self.requests[rid]
             if r.pending is None and lens[i] > 0:
                 a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
                 r.pending = _Pending(batch.tokens[a:b].tolist(), batch.parents[a:b].tolist(), cells[a:b].copy())
-        # prefix sums of P per request, padded to the widest width
-        kmax = self.max_width - 1
-        S = np.zeros((B, kmax + 1))
-        for i in range(B):
-            a, k = int(batch.offsets[i]), int(min(lens[i], kmax))
-            S[i, 1:k + 1] = np.cumsum(P[a:a + k])
-            S[i, k + 1:] = S[i, k]
-        any_draft = bool(lens.any())
+        any_draft = bool(batch.offsets[-1] > 0)
         values = []
-        for w in self.widths:
+        for w, tokens in zip(self.widths, expected.tolist()):
             if w > 1 and not any_draft:
                 break
-            tokens = B + float(S[:, w - 1].sum())
             cost = self.costs.estimate(B, w)
             values.append((tokens / cost, w, tokens, cost))
         best = max(values, key=lambda v: (v[0], -v[1]))
+        if best[1] > 1 and best[0] < values[0][0] * (1.0 + self.min_gain):
+            best = values[0]  # a gain within the margin is not worth the risk of a wrong estimate
         reason = "best" if best[1] > 1 else ("no-draft" if not any_draft else "best")
         bucket = batch_bucket(B)
-        since = self._steps_since_explore.get(bucket, self.explore_every) + 1
-        self._steps_since_explore[bucket] = since
-        if any_draft and since >= self.explore_every:
+        n_steps, n_explored = self._bucket_steps.get(bucket, (0, 0))
+        n_steps += 1
+        if any_draft and n_explored < max(1.0, self.explore_frac * n_steps):
             # try a width not yet measured here only if it would win were it half as costly as estimated
-            unmeasured = [v for v in values
+            candidates = [v for v in values
                           if not self.costs.measured(B, v[1]) and v[2] / (0.5 * v[3]) > best[0]]
-            if unmeasured:
-                best = unmeasured[self._step % len(unmeasured)]
+            if candidates:
+                best = max(candidates, key=lambda v: v[2] / v[3])
                 reason = "explore"
-                self._steps_since_explore[bucket] = 0
+                n_explored += 1
+        self._bucket_steps[bucket] = (n_steps, n_explored)
         self._step += 1
         _, w, tokens, cost = best
         lengths = np.minimum(lens, w - 1)
         plan = Plan(w, lengths, tokens, cost, reason)
-        self.trace.append({"step": self._step, "batch": B, "width": w, "reason": reason,
-                           "expected_tokens": round(tokens, 3), "est_cost": round(cost, 4),
-                           "options": {v[1]: round(v[0], 4) for v in values}})
+        self.trace.append((self._step, B, w, reason, tokens, cost, values))
         return plan
+
+    def decisions(self) -> list[dict]:
+        """The recent decisions (the last ``trace_len``), readable: why each step got its width."""
+        return [{"step": st, "batch": B, "width": w, "reason": why, "expected_tokens": round(tok, 3),
+                 "est_cost": round(cost, 4), "options": {v[1]: round(v[0], 4) for v in values}}
+                for st, B, w, why, tok, cost, values in self.trace]
 
     # -------------------------------------------------------------------------------------- observe
     def observe_tokens(self, rid: Hashable, committed: Sequence[int]) -> None:
@@ -323,6 +389,9 @@ class AdaptiveController:
         if tried:
             np.add.at(self.trials, tried, 1.0)
             np.add.at(self.succ, tried, hits)
+            coarse = np.asarray(tried) // _COARSE
+            np.add.at(self.coarse_trials, coarse, 1.0)
+            np.add.at(self.coarse_succ, coarse, hits)
             rate = sum(hits) / len(hits)
             r.success = rate if r.success is None else r.success + self.request_alpha * (rate - r.success)
 
@@ -342,7 +411,7 @@ def _register() -> None:
         profile_dependent = True  # its decisions depend on the durations it observes
 
         def __init__(self, max_width: int = 16, prior: str = "default", tree: int = 1, depth: int = 16,
-                     explore_every: int = 64):
+                     explore_frac: float = 0.002):
             widths = [w for w in DEFAULT_WIDTHS if w <= max_width]
             if prior == "default":
                 prior_fn = None
@@ -351,7 +420,7 @@ def _register() -> None:
                 prior_fn = get_profile(prior).cost_ms  # a deliberately *assumed* cost, e.g. a wrong one
             else:
                 raise ValueError(f"prior must be 'default', a profile name or a .json file, got {prior!r}")
-            self.ctl = AdaptiveController(widths, prior=prior_fn, explore_every=explore_every)
+            self.ctl = AdaptiveController(widths, prior=prior_fn, explore_frac=explore_frac)
             self.cache = NgramCache(max_depth=depth)
             self.tree = bool(tree)
             self._width = 1

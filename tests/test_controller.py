@@ -83,7 +83,7 @@ def test_width_one_when_nothing_pays():
     """Drafts that always fail, expensive verify: after learning, it stops drafting for good."""
     rng = np.random.default_rng(1)
     cache = NgramCache()
-    ctl = AdaptiveController(prior=seed_cost, explore_every=10**9)
+    ctl = AdaptiveController(prior=seed_cost, explore_frac=0.0)
     base = rng.integers(0, 40, 4000).tolist()  # a small alphabet: matches everywhere, predictions poor
     cache.start_request(0, base[:100])
     ctl.start(0)
@@ -98,7 +98,7 @@ def test_width_one_when_nothing_pays():
        widths=st.sets(st.integers(1, 16), min_size=1, max_size=5))
 def test_plans_respect_widths_and_budgets(seqs, widths):
     cache = NgramCache(max_depth=8)
-    ctl = AdaptiveController(widths=sorted(widths), prior=seed_cost, explore_every=3)
+    ctl = AdaptiveController(widths=sorted(widths), prior=seed_cost, explore_frac=0.5)
     rids = list(range(len(seqs)))
     for r, s in zip(rids, seqs):
         cache.start_request(r, s)
@@ -125,7 +125,7 @@ def test_decisions_are_deterministic():
         cache.start_request(0, prompt)
         ctl.start(0)
         drive(ctl, cache, 0, out, log)
-        logs.append((log, [t["options"] for t in ctl.trace]))
+        logs.append((log, [t["options"] for t in ctl.decisions()]))
     assert logs[0] == logs[1]
 
 
