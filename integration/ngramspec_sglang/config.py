@@ -38,8 +38,7 @@ ADAPTIVE_CONFIG_KEYS = {
     "tree": "true: tree drafts, false: chain drafts (overrides --speculative-ngram-max-bfs-breadth)",
     "max_depth": "suffix depth of the cache (overrides --speculative-ngram-max-trie-depth)",
     "tp_sync_interval": "verify steps between broadcasts of rank 0's step timings (tensor parallel)",
-    "controller": "keyword options of ngramspec.controller.AdaptiveController (prior: calibration JSON path, "
-    "explore_every, prior_strength, prior_scale, request_alpha)",
+    "controller": "keyword options of ngramspec.controller.AdaptiveController (e.g. prior: a calibration JSON path)",
 }
 
 

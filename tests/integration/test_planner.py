@@ -106,8 +106,7 @@ def test_bad_controller_answers_raise(width, lengths, message):
 def run_ranks(timings_of_rank, share_rank0, steps=60):
     """Planners with the real AdaptiveController, fed identical tokens and rank-local step timings."""
     mailbox = {}
-    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2, capacity=1 << 16,
-                         controller={"explore_every": 4})
+    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2, capacity=1 << 16)
 
     def broadcast(rank):
         def fn(obj):
