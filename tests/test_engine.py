@@ -19,6 +19,8 @@ from ngramspec.engine.model import KVModel, load_model, locate_gguf  # noqa: E40
 from ngramspec.engine.policy import controller_available, make_policy  # noqa: E402
 from ngramspec.engine.prompts import chat_tokens, demo_prompts  # noqa: E402
 
+from engine_oracle import OracleCache  # noqa: E402
+
 NEW_TOKENS = 64
 
 
@@ -94,61 +96,11 @@ def test_batched_speculation_matches_single_sequence_greedy(model_and_tokenizer,
     assert len(set(fast.steps)) > 1
 
 
-class _OracleCache:
-    """Drafts from the known greedy output, with wrong siblings placed first, so the accepted path runs through
-    later rows and the engine must move its keys/values (the keep-the-accepted-path code)."""
-
-    def __init__(self, truth: dict, decoy_offset: int, depth: int, seed: int):
-        self.truth, self.decoy, self.depth = truth, decoy_offset, depth
-        self.pos = {}
-        self.rng = np.random.default_rng(seed)
-
-    def start_request(self, rid, prompt):
-        self.pos[rid] = 0
-
-    def add_tokens(self, rid, tokens):
-        self.pos[rid] += len(tokens)
-
-    def finish_request(self, rid, share=True):
-        del self.pos[rid]
-
-    def propose(self, rids, budgets, tree=True):
-        tokens, parents, offsets = [], [], [0]
-        for rid in rids:
-            future = self.truth[rid][self.pos[rid]:][: int(self.rng.integers(0, self.depth + 1))]
-            t, p = [], []
-            parent = -1
-            for d, tok in enumerate(future):
-                decoy = (tok + self.decoy) % 49152
-                t += [decoy, tok]                  # decoy first: the true child is the later row
-                p += [parent, parent]
-                parent = len(t) - 1
-                if self.rng.random() < 0.2:       # sometimes stop with a wrong token at the tip
-                    t.append(decoy)
-                    p.append(parent)
-                    break
-            tokens += t
-            parents += p
-            offsets.append(len(tokens))
-        return _Batch(np.array(tokens, np.int32), np.array(parents, np.int32), np.array(offsets, np.int64))
-
-
-class _Batch:
-    def __init__(self, tokens, parents, offsets):
-        self.tokens, self.parents, self.offsets = tokens, parents, offsets
-
-    def draft(self, i):
-        from types import SimpleNamespace
-
-        sl = slice(self.offsets[i], self.offsets[i + 1])
-        return SimpleNamespace(tokens=self.tokens[sl], parents=self.parents[sl])
-
-
 @pytest.mark.parametrize("batch", [1, 4])
 def test_accepted_path_through_later_branches_keeps_the_right_kv(model_and_tokenizer, prompts, plain_outputs, batch):
     model, _ = model_and_tokenizer
     decoder = SpecDecoder(KVModel(model, batch=batch, max_len=max(map(len, prompts)) + NEW_TOKENS + 32))
-    cache = _OracleCache({i: out for i, out in enumerate(plain_outputs)}, decoy_offset=7, depth=6, seed=batch)
+    cache = OracleCache({i: out for i, out in enumerate(plain_outputs)}, decoy_offset=7, depth=6, seed=batch)
     policy = FixedPolicy(13, tree=True)
     outputs, moved_steps = [], 0
     for start in range(0, len(prompts), batch):

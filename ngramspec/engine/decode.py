@@ -292,6 +292,9 @@ class SpecDecoder:
                     policy.observe_tokens(rids[i], new)
                 if len(outputs[i]) >= max_new_tokens or (eos_token_id is not None and new[-1] == eos_token_id):
                     active[i] = False
+                    # a finished row still rides along in the batch: park it at slot 0 so that its dummy
+                    # verify block never runs past the cache, whatever its last step overshot
+                    length[i] = 0
                 if progress is not None:
                     progress.update(len(new))
             self.kv.move(mv_rows, mv_src, mv_dst)

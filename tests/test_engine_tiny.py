@@ -1,0 +1,133 @@
+"""The decoding loop's bookkeeping on a small random-weight Llama (fast; needs torch and transformers only):
+tree verification, keep-the-accepted-path, per-sequence lengths, finished rows, tight caches, bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from ngramspec import NgramCache  # noqa: E402
+from ngramspec.engine.decode import FixedPolicy, SpecDecoder, greedy_walk, tree_rows  # noqa: E402
+from ngramspec.engine.model import KVModel  # noqa: E402
+
+from engine_oracle import OracleCache  # noqa: E402
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(3)
+    motif = rng.integers(0, VOCAB, 12).tolist()
+    # repetitive prompts of different lengths, so the n-gram cache drafts and rows differ in length
+    return [motif * (2 + i) + rng.integers(0, VOCAB, 3 + 2 * i).tolist() for i in range(4)]
+
+
+def plain(model, prompts, new_tokens):
+    dec = SpecDecoder(KVModel(model, batch=1, max_len=max(map(len, prompts)) + new_tokens + 1))
+    return [dec.generate([p], new_tokens).outputs[0] for p in prompts]
+
+
+def test_tree_rows_mask_depths_and_padding():
+    tokens, parents = np.array([5, 6, 7, 8]), np.array([-1, 0, -1, 2])
+    row_tokens, row_parent, depth, anc = tree_rows(tokens, parents, root=9, width=6)
+    assert row_tokens.tolist() == [9, 5, 6, 7, 8, 0]
+    assert row_parent.tolist() == [-1, 0, 1, 0, 3, 0]
+    assert depth.tolist() == [0, 1, 2, 1, 2, 1]
+    assert anc[2].tolist() == [True, True, True, False, False, False]
+    assert anc[4].tolist() == [True, False, False, True, True, False]
+    assert anc[5].tolist() == [True, False, False, False, False, True]   # padding: root and itself only
+    with pytest.raises(ValueError, match="does not fit"):
+        tree_rows(tokens, parents, root=9, width=4)
+    with pytest.raises(ValueError, match="parents must precede"):
+        tree_rows(np.array([1, 2]), np.array([-1, 1]), root=0, width=3)
+
+
+def test_greedy_walk_follows_predicted_children_only():
+    row_tokens, row_parent, _, _ = tree_rows(np.array([5, 6, 7, 8]), np.array([-1, 0, -1, 2]), root=9, width=6)
+    predicted = np.array([7, 0, 0, 8, 4, 0])      # root predicts 7 (row 3), row 3 predicts 8 (row 4)
+    assert greedy_walk(row_tokens, row_parent, 4, predicted) == [3, 4]
+    predicted[0] = 0                                # token 0 is only in the padding row: never accepted
+    assert greedy_walk(row_tokens, row_parent, 4, predicted) == []
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ngram_speculation_equals_plain_greedy(tiny_model, prompts, tree, batch):
+    new_tokens = 64
+    reference = plain(tiny_model, prompts, new_tokens)
+    dec = SpecDecoder(KVModel(tiny_model, batch=batch, max_len=max(map(len, prompts)) + new_tokens + 9))
+    cache, policy, outputs, accepted = NgramCache(), FixedPolicy(8, tree=tree), [], 0
+    for start in range(0, len(prompts), batch):
+        res = dec.generate(prompts[start:start + batch], new_tokens, policy=policy, cache=cache,
+                           rids=list(range(start, start + batch)))
+        outputs += res.outputs
+        accepted += sum(sum(r.accepted) for r in res.records)
+    assert outputs == reference
+    assert accepted > 0
+
+
+def test_oracle_trees_with_decoys_move_the_accepted_kv(tiny_model, prompts):
+    new_tokens, width = 40, 14
+    truth = dict(enumerate(plain(tiny_model, prompts, new_tokens)))
+    dec = SpecDecoder(KVModel(tiny_model, batch=4, max_len=max(map(len, prompts)) + new_tokens + width))
+    res = dec.generate(prompts, new_tokens, policy=FixedPolicy(width - 1, tree=True),
+                       cache=OracleCache(truth, decoy_offset=5, depth=6, seed=0, vocab=VOCAB), rids=[0, 1, 2, 3])
+    assert res.outputs == [truth[i] for i in range(4)]
+    assert max(max(r.accepted) for r in res.records) >= 2   # accepted paths ran through non-first children
+
+
+def test_rows_that_overshoot_and_finish_early_stay_inside_a_tight_cache(tiny_model, prompts):
+    """The longest-prompt row verifies 13 true tokens a step and finishes at step 3 having verified 13 tokens
+    past its budget, while the other rows go on with wide drafts, in a cache with no slack beyond
+    prompt + new tokens + width."""
+    new_tokens, width = 29, 14
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    prompts = [prompts[i] for i in order]           # row 0 holds the longest prompt
+    truth = dict(enumerate(plain(tiny_model, prompts, 2 * new_tokens)))
+    dec = SpecDecoder(KVModel(tiny_model, batch=4, max_len=len(prompts[0]) + new_tokens + width))
+    depth = {0: width - 1, 1: 6, 2: 6, 3: 6}
+    res = dec.generate(prompts, new_tokens, policy=FixedPolicy(width - 1, tree=False),
+                       cache=OracleCache(truth, decoy_offset=None, depth=depth, seed=1, vocab=VOCAB),
+                       rids=[0, 1, 2, 3])
+    assert res.outputs == [truth[i][:new_tokens] for i in range(4)]
+    assert res.steps == [3, 5, 5, 5]
+
+
+def test_eos_stops_a_request_and_is_kept(tiny_model, prompts):
+    reference = plain(tiny_model, prompts[:1], 30)[0]
+    eos = reference[10]
+    first = reference.index(eos)
+    dec = SpecDecoder(KVModel(tiny_model, batch=1, max_len=len(prompts[0]) + 40))
+    res = dec.generate(prompts[:1], 30, eos_token_id=eos, policy=FixedPolicy(8, tree=True), cache=NgramCache())
+    assert res.outputs[0] == reference[:first + 1]
+
+
+def test_bad_input_raises(tiny_model, prompts):
+    dec = SpecDecoder(KVModel(tiny_model, batch=2, max_len=128))
+    with pytest.raises(ValueError, match="1..2 prompts"):
+        dec.generate([], 4)
+    with pytest.raises(ValueError, match="rids"):
+        dec.generate(prompts[:2], 4, rids=[1])
+    with pytest.raises(ValueError, match="outside"):
+        dec.generate([[VOCAB]], 4)
+    with pytest.raises(ValueError, match="batch >= 1"):
+        KVModel(tiny_model, batch=0, max_len=16)
+    kv = KVModel(tiny_model, batch=1, max_len=16)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        kv.forward(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+                   torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 2, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="Llama-family"):
+        KVModel(torch.nn.Linear(2, 2), batch=1, max_len=16)
