@@ -10,6 +10,7 @@ from ngramspec._trie import (
 )
 
 SRC_LOCAL, SRC_SHARED = 0, 1
+MAX_BRANCH = 32  # children considered per tree node: keeps scratch linear in the budget
 
 
 @njit(cache=True)
@@ -140,7 +141,7 @@ def draft_tree(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_
     conditional frequencies). Output is in that order, so parents precede children, probabilities never grow
     along a path, and every prefix of the output is the best tree of its size. Returns the node count."""
     c_tok, c_par, c_node, c_off, h_idx = si[0], si[1], si[2], si[3], si[4]  # candidates and heap, scratch
-    t_tok, t_node, t_off, t_cnt = si[5], si[6], si[7], si[8]
+    t_tok, t_node, t_off, t_cnt = si[5], si[6], si[7], si[8]  # (only the first MAX_BRANCH entries are used)
     c_prob, h_prob = sf[0], sf[1]
     ctx = min(hlen, max_depth - 1)
     ncand = 0
@@ -148,8 +149,8 @@ def draft_tree(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_
     done = 0
     pn, poff, parent, pprob = n, off, -1, 1.0
     while True:
-        # push the continuations of (pn, poff) as children of draft node `parent`
-        want = budget - done
+        # push the (at most MAX_BRANCH best) continuations of (pn, poff) as children of draft node `parent`
+        want = min(budget - done, MAX_BRANCH)
         k, total = continuations(nodes, arena, alen, pn, poff, want, t_tok, t_node, t_off, t_cnt)
         if k == 0 and parent >= 0:
             # back off: longest suffix of history + path to `parent` that has a continuation
@@ -205,7 +206,7 @@ def propose_batch(slots, budgets, tree, max_depth,
     for i in range(B):
         maxb = max(maxb, budgets[i])
     buf = np.empty(max_depth + maxb + 1, np.int32)
-    cap = maxb * (maxb + 1) + 1
+    cap = maxb * (min(maxb, MAX_BRANCH) + 1) + 1
     si = np.empty((9, cap), np.int32)
     sf = np.empty((2, cap), np.float64)
     h_seq = np.empty(cap, np.int64)

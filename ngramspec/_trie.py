@@ -5,7 +5,8 @@ A trie is three arrays:
 - ``nodes[N, 8]`` int32, one row per node, columns below. Row-major so a node's fields share a cache line.
 - ``table[H]`` int32, an open-addressing hash (linear probing) from (parent, token) to node id; the key is read
   back from ``nodes`` so a slot costs 4 bytes. ``H`` is a power of two >= 2N.
-- ``meta[4]`` int64: free-list head, high-water mark, live nodes, capacity.
+- ``meta[5]`` int64: free-list head, high-water mark, live nodes, capacity, nodes reserved for roots (a
+  non-root allocation never takes those, so a full pool still admits new requests).
 
 Depth is bounded by ``D``. Unique tails are *not* materialized: a node may carry a ``TAIL`` position into a token
 arena (the request's own history, or the shared arena of finished outputs) meaning "exactly one more occurrence
@@ -22,7 +23,7 @@ from numba import njit
 
 TOK, PAR, CNT, TAIL, CHILD, NEXT, PREV, DEP = range(8)
 NODE_FIELDS = 8
-M_FREE, M_HIGH, M_LIVE, M_CAP = range(4)
+M_FREE, M_HIGH, M_LIVE, M_CAP, M_RESERVE = range(5)
 
 
 def new_trie(capacity: int):
@@ -32,7 +33,7 @@ def new_trie(capacity: int):
     while size < 2 * capacity:
         size *= 2
     table = np.full(size, -1, dtype=np.int32)
-    meta = np.array([-1, 0, 0, capacity], dtype=np.int64)
+    meta = np.array([-1, 0, 0, capacity, 0], dtype=np.int64)
     return nodes, table, meta
 
 
@@ -83,6 +84,8 @@ def _table_remove(nodes, table, n):
 @njit(cache=True)
 def alloc_node(nodes, table, meta, parent, token, depth):
     """A new node (count 0, no tail) linked under ``parent``; -1 when the trie is full. parent -1 makes a root."""
+    if parent >= 0 and meta[M_LIVE] >= meta[M_CAP] - meta[M_RESERVE]:
+        return -1
     n = meta[M_FREE]
     if n >= 0:
         meta[M_FREE] = nodes[n, NEXT]

@@ -29,6 +29,7 @@ from numba import typed
 from ngramspec import _draft, _shared, _trie
 
 MAX_TOKEN = 2**31 - 1  # token ids must lie in [0, 2**31 - 1): -1 marks "none", int32 storage
+MAX_BUDGET = 4096  # draft nodes per request and step
 
 
 @dataclass(frozen=True)
@@ -70,22 +71,37 @@ class DraftBatch:
         return (self.draft(i) for i in range(len(self)))
 
 
+def _is_int(t) -> bool:
+    return type(t) is int or (isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)))
+
+
 def as_tokens(tokens, what: str = "tokens", allow_empty: bool = True) -> np.ndarray:
-    """Validate token ids and return them as a contiguous int32 array. Raises TypeError / ValueError."""
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (np.ndarray, Iterable)):
-        raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
-    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(list(tokens))
-    if arr.size == 0 and not isinstance(tokens, np.ndarray):
-        arr = np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be one-dimensional, got shape {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{what} must hold integer token ids, got dtype {arr.dtype}")
-    if arr.size == 0:
+    """Validate token ids and return them as a contiguous int32 array.
+
+    TypeError: not a 1-D sequence of integers (floats, bools, strings, None, nested lists, object arrays).
+    ValueError: wrong shape, empty when not allowed, or an id outside [0, 2**31 - 1)."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise ValueError(f"{what} must be one-dimensional, got shape {tokens.shape}")
+        if tokens.dtype.kind not in "iu":
+            raise TypeError(f"{what} must hold integer token ids, got dtype {tokens.dtype}")
+        arr = tokens
+        if arr.size:
+            lo, hi = int(arr.min()), int(arr.max())
+    else:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+            raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
+        items = tokens if isinstance(tokens, list) else list(tokens)
+        for t in items:
+            if not _is_int(t):
+                raise TypeError(f"{what} must hold integer token ids, found {t!r} ({type(t).__name__})")
+        if items:
+            lo, hi = min(items), max(items)
+        arr = items
+    if not len(arr):
         if not allow_empty:
             raise ValueError(f"{what} must not be empty")
         return np.zeros(0, dtype=np.int32)
-    lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= MAX_TOKEN:
         bad = lo if lo < 0 else hi
         raise ValueError(f"{what}: token id {bad} is out of range [0, {MAX_TOKEN})")
@@ -105,12 +121,12 @@ class NgramCache:
         shared_segments: int = 1 << 16,
         use_shared: bool = True,
     ):
-        if not 2 <= max_depth <= 127:
-            raise ValueError(f"max_depth must be in [2, 127], got {max_depth}")
+        if not _is_int(max_depth) or not 2 <= max_depth <= 127:
+            raise ValueError(f"max_depth must be an integer in [2, 127], got {max_depth!r}")
         for name, v, lo in (("max_requests", max_requests, 1), ("local_nodes", local_nodes, max_requests + 1),
                             ("shared_nodes", shared_nodes, 2 * max_depth + 2), ("shared_tokens", shared_tokens, 2),
                             ("shared_segments", shared_segments, 1)):
-            if int(v) != v or v < lo:
+            if not _is_int(v) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v}")
         self.max_depth = int(max_depth)
         self.max_requests = int(max_requests)
@@ -119,6 +135,7 @@ class NgramCache:
         self._l_nodes, self._l_table, self._l_meta = _trie.new_trie(int(local_nodes))
         self._s_nodes, self._s_table, self._s_meta = _trie.new_trie(int(shared_nodes))
         self._s_root = int(_trie.alloc_node(self._s_nodes, self._s_table, self._s_meta, -1, -1, 0))
+        self._l_meta[_trie.M_RESERVE] = int(max_requests)  # a root for every request that may still start
         self._arena, self._seg, self._ring = _shared.new_ring(int(shared_tokens), int(shared_segments))
         R = self.max_requests
         self._roots = np.full(R, -1, dtype=np.int32)
@@ -145,8 +162,9 @@ class NgramCache:
         if not self._free_slots:
             raise RuntimeError(f"too many active requests (max_requests={self.max_requests}); finish some first")
         root = _trie.alloc_node(self._l_nodes, self._l_table, self._l_meta, -1, -1, 0)
-        if root < 0:
-            raise RuntimeError("the per-request node pool is full; finish requests or raise local_nodes")
+        if root < 0:  # cannot happen: roots are reserved
+            raise RuntimeError("the per-request node pool has no room for a root")
+        self._l_meta[_trie.M_RESERVE] -= 1
         slot = self._free_slots.pop()
         self._slot_of[rid] = slot
         self._roots[slot] = root
@@ -170,31 +188,24 @@ class NgramCache:
         slots = self._slots(rids)
         if len(set(slots)) != len(slots):
             raise ValueError("a request id appears twice in one batch")
-        if all(isinstance(t, np.ndarray) for t in token_lists):
-            arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
-            flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-            lengths = [a.size for a in arrays]
-        else:  # lists of ints: validate the whole batch at once (one numpy conversion)
-            for rid, t in zip(rids, token_lists):
-                if isinstance(t, (str, bytes)) or not isinstance(t, (np.ndarray, Iterable)):
-                    raise TypeError(f"tokens of request {rid!r} must be a sequence of integer token ids")
-            lists = [t.tolist() if isinstance(t, np.ndarray) else list(t) for t in token_lists]
-            lengths = [len(t) for t in lists]
-            flat = as_tokens([x for t in lists for x in t], "tokens")
+        arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
+        flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+        lengths = [a.size for a in arrays]
         self._append(slots, flat, lengths)
 
     def propose(self, rids: Sequence[Hashable], budgets=8, tree: bool = True) -> DraftBatch:
         """Draft up to ``budgets[i]`` tokens for each request (a chain when ``tree`` is False)."""
         slots = self._slots(rids)
         B = len(slots)
+        if len(set(slots)) != B:
+            raise ValueError("a request id appears twice in one batch")
         if np.ndim(budgets) == 0:
             budgets = [budgets] * B
-        if len(budgets) != B:
-            raise ValueError(f"{B} request ids but {len(budgets)} budgets")
-        bud = np.asarray(budgets)
-        if bud.dtype.kind not in "iu" or (B and int(bud.min()) < 1):
-            raise ValueError(f"budgets must be integers >= 1, got {list(np.atleast_1d(budgets))!r}")
-        bud = bud.astype(np.int64)
+        if np.ndim(budgets) != 1 or len(budgets) != B:
+            raise ValueError(f"budgets must be one integer or one per request ({B}), got {budgets!r}")
+        if not all(_is_int(b) and 1 <= b <= MAX_BUDGET for b in budgets):
+            raise ValueError(f"budgets must be integers in [1, {MAX_BUDGET}], got {list(budgets)!r}")
+        bud = np.asarray(budgets, dtype=np.int64).reshape(B)
         total = int(bud.sum())
         o_tok = np.empty(total, np.int32)
         o_par = np.empty(total, np.int32)
@@ -220,6 +231,7 @@ class NgramCache:
                 _shared.share_tokens(self._s_nodes, self._s_table, self._s_meta, self._s_root, self._arena,
                                      self._seg, self._ring, out, self.max_depth, self._share_active)
         _trie.free_subtree(self._l_nodes, self._l_table, self._l_meta, int(self._roots[slot]), self._scratch)
+        self._l_meta[_trie.M_RESERVE] += 1
         self._roots[slot] = -1
         self._set_hist(slot, np.zeros(1, dtype=np.int32))
         self._hlens[slot] = 0

@@ -15,8 +15,9 @@ spell without paid probes, and a request that starts copying earns long drafts w
 
 **c(B, n) (cost)**. Learned from the step durations the server (or simulator) reports: an exponential moving
 average per (batch size, width); an unmeasured batch size borrows the nearest measured one of the same width.
-Unmeasured widths are estimated from a prior (a calibration file, or a conservative default shape) scaled by
-what was measured (interpolated between measured widths), and a few are tried, in a small bounded share of
+Unmeasured widths are interpolated between measured widths, extrapolated along the measured slope, or (with one
+measured width) taken from a prior's shape (a calibration file, or a conservative default) scaled by what was
+measured; and a few are tried, in a small bounded share of
 steps, so a wrong prior is corrected. The controller is never told the true profile.
 
 **Determinism and tensor parallelism**. Decisions depend only on tokens (drafts, committed tokens) and on the
@@ -133,8 +134,15 @@ class CostModel:
                 r_hi = self.estimate(batch, hi[0]) / self.prior(batch, hi[0])
                 t = (width - lo[-1]) / (hi[0] - lo[-1])
                 return self.prior(batch, width) * ((1 - t) * r_lo + t * r_hi)
-            if lo or hi:
-                w = lo[-1] if lo else hi[0]
+            side = lo[-2:] if lo else hi[:2]
+            if len(side) == 2:  # outside the measured range: extend the measured slope (never downhill)
+                (w0, w1) = side
+                c0, c1 = self.estimate(batch, w0), self.estimate(batch, w1)
+                slope = max(0.0, (c1 - c0) / (w1 - w0))
+                anchor, c_anchor = (w1, c1) if lo else (w0, c0)
+                return max(1e-9, c_anchor + slope * (width - anchor))
+            if side:
+                w = side[0]
                 return self.prior(batch, width) * self.estimate(batch, w) / self.prior(batch, w)
         scale = self.ratio.get(batch_bucket(batch), self.global_ratio if self.global_ratio is not None else 1.0)
         return self.prior(batch, width) * scale
@@ -230,9 +238,9 @@ class AdaptiveController:
     """Chooses the batch verify width and each request's draft prefix. See the module docstring.
 
     Knobs: ``widths`` (the verify widths a server holds CUDA graphs for), ``prior`` (c(B, n) before any
-    measurement: a callable or a calibration file path), ``explore_frac`` (at most this share of a batch bucket's
-    steps, and at least one, try a width not yet measured there; only one that would win at half its estimated
-    cost, the most promising first; unmeasured widths between measured ones are interpolated, not explored), ``prior_strength`` (pseudo-trials behind each calibration cell's prior),
+    measurement: a callable or a calibration file path), ``explore_min`` + ``explore_frac`` x steps (how many steps
+    of a batch bucket may try a width not yet measured there; only one that would win at ``explore_optimism``
+    times its estimated cost, the widest first; unmeasured widths between measured ones are interpolated, not explored), ``prior_strength`` (pseudo-trials behind each calibration cell's prior),
     ``prior_scale`` (per match-length bin: the prior of a cell's conditional acceptance is this times the cache's
     raw conditional; longer matches are trusted more),
     ``request_alpha`` (EWMA weight of a request's recent success), ``min_gain`` (drafting must beat plain decoding
@@ -240,6 +248,7 @@ class AdaptiveController:
     """
 
     def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
+                 explore_min: int = 3, explore_optimism: float = 0.7,
                  prior_strength: float = 3.0, prior_scale: Sequence[float] = (0.15, 0.25, 0.35, 0.5),
                  request_alpha: float = 0.25, min_gain: float = 0.05,
                  trace_len: int = 1000):
@@ -255,6 +264,8 @@ class AdaptiveController:
             prior = prior_from_calibration(prior)
         self.costs = CostModel(prior or default_prior)
         self.explore_frac = float(explore_frac)
+        self.explore_min = int(explore_min)
+        self.explore_optimism = float(explore_optimism)
         self.prior_strength = float(prior_strength)
         self.prior_scale = np.asarray(prior_scale, np.float64)
         if self.prior_scale.shape != (4,):
@@ -336,12 +347,13 @@ class AdaptiveController:
         bucket = batch_bucket(B)
         n_steps, n_explored = self._bucket_steps.get(bucket, (0, 0))
         n_steps += 1
-        if any_draft and n_explored < max(1.0, self.explore_frac * n_steps):
-            # try a width not yet measured here only if it would win were it half as costly as estimated
+        if any_draft and n_explored < self.explore_min + self.explore_frac * n_steps:
+            # try a width not yet measured here only if it would win were it cheaper than estimated;
+            # the widest first: it bounds the interpolation of every width below it
             candidates = [v for v in values
-                          if not self.costs.measured(B, v[1]) and v[2] / (0.5 * v[3]) > best[0]]
+                          if not self.costs.measured(B, v[1]) and v[2] / (self.explore_optimism * v[3]) > best[0]]
             if candidates:
-                best = max(candidates, key=lambda v: v[2] / v[3])
+                best = max(candidates, key=lambda v: v[1])
                 reason = "explore"
                 n_explored += 1
         self._bucket_steps[bucket] = (n_steps, n_explored)
