@@ -188,9 +188,18 @@ class NgramCache:
         slots = self._slots(rids)
         if len(set(slots)) != len(slots):
             raise ValueError("a request id appears twice in one batch")
-        arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
-        flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-        lengths = [a.size for a in arrays]
+        flat = None
+        if all(type(t) is list for t in token_lists):  # the common case: validate the batch in one pass
+            joined = [x for t in token_lists for x in t]
+            try:
+                flat = as_tokens(joined, "tokens")
+                lengths = [len(t) for t in token_lists]
+            except (TypeError, ValueError):
+                flat = None  # validate request by request below, for an error that names the request
+        if flat is None:
+            arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
+            flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+            lengths = [a.size for a in arrays]
         self._append(slots, flat, lengths)
 
     def propose(self, rids: Sequence[Hashable], budgets=8, tree: bool = True) -> DraftBatch:
