@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 from numba import njit
@@ -321,9 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(rows, sys.stdout, indent=1)
         print()
     elif args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
     if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, args.plot)
     return 0
 

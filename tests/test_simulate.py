@@ -350,7 +350,7 @@ def test_method_specs_are_validated():
 def test_cli_writes_json_table_and_plot(tmp_path, capsys):
     path = tmp_path / "copy.jsonl.gz"
     write_trace(path, [{"prompt": A + [7] + A[:3], "output": A[3:]}, {"prompt": [1, 2], "output": [3, 4, 5]}])
-    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    out_json, out_png = tmp_path / "new" / "r.json", tmp_path / "new" / "r.png"
     assert simulate.main([str(path), "--method", "none", "--method", "prompt-lookup:k=8", "--profile",
                           "seed-pcie8", "--batch", "1", "--batch", "2", "--json", str(out_json), "--plot",
                           str(out_png), "--no-progress"]) == 0
