@@ -45,10 +45,6 @@ def repetitive_trace(requests=6, seed=1):
     return make_trace("repetitive", records)
 
 
-def seed_cost(run):
-    return SEED_PCIE8.total_ms(run.step_counts)
-
-
 # --- verification ------------------------------------------------------------------------------------------
 
 def test_accepted_length_chain_takes_longest_matching_prefix():

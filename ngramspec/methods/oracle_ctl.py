@@ -8,7 +8,7 @@ It is the best any controller can do with these drafts; the perfect drafter `ora
 """
 from __future__ import annotations
 
-from ngramspec.methods import EMPTY_DRAFT, chain, flag, positive_int, register_method
+from ngramspec.methods import EMPTY_DRAFT, chain, flag, register_method
 from ngramspec.methods.ngramspec_static import NgramspecStatic
 from ngramspec.simulate import accepted_length
 
