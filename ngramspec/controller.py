@@ -95,7 +95,6 @@ class CostModel:
         self.alpha = alpha
         self.ewma: dict[tuple[int, int], float] = {}
         self.batches_of_width: dict[int, set] = {}
-        self.buckets_of_width: dict[int, set] = {}
         self.ratio: dict[int, float] = {}  # per bucket: measured / prior (EWMA)
         self.global_ratio: float | None = None
 
@@ -106,7 +105,6 @@ class CostModel:
         old = self.ewma.get(key)
         self.ewma[key] = ms if old is None else old + self.alpha * (ms - old)
         self.batches_of_width.setdefault(key[1], set()).add(key[0])
-        self.buckets_of_width.setdefault(key[1], set()).add(batch_bucket(key[0]))
         r = ms / self.prior(batch, width)
         b = batch_bucket(batch)
         self.ratio[b] = r if b not in self.ratio else self.ratio[b] + self.alpha * (r - self.ratio[b])
@@ -114,8 +112,8 @@ class CostModel:
         self.global_ratio = r if g is None else g + self.alpha * (r - g)
 
     def measured(self, batch: int, width: int) -> bool:
-        """Whether this width was measured in this batch size's bucket."""
-        return batch_bucket(batch) in self.buckets_of_width.get(width, ())
+        """Whether this width was measured at a batch size within a factor of two of ``batch``."""
+        return any(batch <= 2 * b and b <= 2 * batch for b in self.batches_of_width.get(width, ()))
 
     def estimate(self, batch: int, width: int) -> float:
         key = (int(batch), int(width))
@@ -239,7 +237,7 @@ class AdaptiveController:
 
     Knobs: ``widths`` (the verify widths a server holds CUDA graphs for), ``prior`` (c(B, n) before any
     measurement: a callable or a calibration file path), ``explore_min`` + ``explore_frac`` x steps (how many steps
-    of a batch bucket may try a width not yet measured there; only one that would win at ``explore_optimism``
+    may try a width not yet measured within a factor of two of the current batch size; only one that would win at ``explore_optimism``
     times its estimated cost, the widest first; unmeasured widths between measured ones are interpolated, not explored), ``prior_strength`` (pseudo-trials behind each calibration cell's prior),
     ``prior_scale`` (per match-length bin: the prior of a cell's conditional acceptance is this times the cache's
     raw conditional; longer matches are trusted more),
@@ -248,7 +246,7 @@ class AdaptiveController:
     """
 
     def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
-                 explore_min: int = 3, explore_optimism: float = 0.7,
+                 explore_min: int = 1, explore_optimism: float = 0.7,
                  prior_strength: float = 3.0, prior_scale: Sequence[float] = (0.15, 0.25, 0.35, 0.5),
                  request_alpha: float = 0.25, min_gain: float = 0.05,
                  trace_len: int = 1000):
@@ -282,7 +280,8 @@ class AdaptiveController:
                                           _SHAPE[:3]).reshape(-1).copy()
         self.requests: dict[Hashable, _Request] = {}
         self.trace: deque = deque(maxlen=int(trace_len))
-        self._bucket_steps: dict[int, tuple[int, int]] = {}  # per batch bucket: steps, explorations
+        self._n_steps = 0
+        self._n_explored = 0
         self._step = 0
 
     # --------------------------------------------------------------------------------------- requests
@@ -344,10 +343,8 @@ class AdaptiveController:
         if best[1] > 1 and best[0] < values[0][0] * (1.0 + self.min_gain):
             best = values[0]  # a gain within the margin is not worth the risk of a wrong estimate
         reason = "best" if best[1] > 1 else ("no-draft" if not any_draft else "best")
-        bucket = batch_bucket(B)
-        n_steps, n_explored = self._bucket_steps.get(bucket, (0, 0))
-        n_steps += 1
-        if any_draft and n_explored < self.explore_min + self.explore_frac * n_steps:
+        self._n_steps += 1
+        if any_draft and self._n_explored < self.explore_min + self.explore_frac * self._n_steps:
             # try a width not yet measured here only if it would win were it cheaper than estimated;
             # the widest first: it bounds the interpolation of every width below it
             candidates = [v for v in values
@@ -355,8 +352,7 @@ class AdaptiveController:
             if candidates:
                 best = max(candidates, key=lambda v: v[1])
                 reason = "explore"
-                n_explored += 1
-        self._bucket_steps[bucket] = (n_steps, n_explored)
+                self._n_explored += 1
         self._step += 1
         _, w, tokens, cost = best
         lengths = np.minimum(lens, w - 1)
