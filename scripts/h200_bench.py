@@ -23,8 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run_config(model, prompts, batch, mode, spec, max_new, eos):
-    import numpy as np
-
     from ngramspec import NgramCache
     from ngramspec.engine.decode import SpecDecoder
     from ngramspec.engine.model import GraphRunner, KVModel

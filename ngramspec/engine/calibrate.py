@@ -109,7 +109,7 @@ def measure(model, batches, widths, context: int, kinds=("chain", "tree"), repea
                 rows.append({"B": B, "k": k, "kind": kind, "L": context, "eager_ms": eager_ms, "graph_ms": graph_ms})
                 if progress is not None:
                     progress.update(1)
-        del kv, runner
+        kv = runner = None  # free the cache before the next batch size
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows

@@ -1,19 +1,16 @@
 """Draft policies by name: `plain`, `chain:k=K`, `tree:k=K`, `adaptive[:max_width=16]` (the controller: NGRAM_ADAPTIVE)."""
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 
 from .decode import FixedPolicy
 
 
 def controller_available() -> bool:
-    try:
-        import ngramspec.controller  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name != "ngramspec.controller":
-            raise
-        return False
-    return True
+    """Whether `ngramspec.controller` (the adaptive controller) is installed."""
+    return importlib.util.find_spec("ngramspec.controller") is not None
 
 
 class AdaptivePolicy:
