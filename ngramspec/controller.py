@@ -395,11 +395,14 @@ class AdaptiveController:
             if not any(par == p.cur for par in p.parents):
                 r.pending = None  # every node decided
         if tried:
-            np.add.at(self.trials, tried, 1.0)
-            np.add.at(self.succ, tried, hits)
-            coarse = np.asarray(tried) // _COARSE
-            np.add.at(self.coarse_trials, coarse, 1.0)
-            np.add.at(self.coarse_succ, coarse, hits)
+            trials, succ, c_trials, c_succ = self.trials, self.succ, self.coarse_trials, self.coarse_succ
+            for c, h in zip(tried, hits):  # a handful of cells: plain indexing beats np.add.at here
+                cc = c // _COARSE
+                trials[c] += 1.0
+                c_trials[cc] += 1.0
+                if h:
+                    succ[c] += 1.0
+                    c_succ[cc] += 1.0
             rate = sum(hits) / len(hits)
             r.success = rate if r.success is None else r.success + self.request_alpha * (rate - r.success)
 
@@ -432,6 +435,8 @@ def _register() -> None:
             self.cache = NgramCache(max_depth=depth)
             self.tree = bool(tree)
             self._width = 1
+            self._pending_rids: list = []
+            self._pending_tokens: list = []
 
         def warmup(self) -> None:
             from ngramspec.cache import warm_up
@@ -451,7 +456,13 @@ def _register() -> None:
             self.cache.start_request(rid, prompt)
             self.ctl.start(rid)
 
+        def _flush(self):
+            if self._pending_rids:  # one batched call for the step's committed tokens
+                self.cache.add_tokens_batch(self._pending_rids, self._pending_tokens)
+                self._pending_rids, self._pending_tokens = [], []
+
         def propose(self, rids):
+            self._flush()
             batch = self.cache.propose(rids, max(1, self.ctl.max_width - 1), tree=self.tree)
             plan = self.ctl.plan(rids, batch)
             self._width = plan.width
@@ -465,13 +476,15 @@ def _register() -> None:
             return self._width
 
         def update(self, rid, committed, n_accepted):
-            self.cache.add_tokens(rid, committed)
+            self._pending_rids.append(rid)
+            self._pending_tokens.append(committed)
             self.ctl.observe_tokens(rid, committed)
 
         def observe_step(self, batch_size, width, duration_ms):
             self.ctl.observe_step(batch_size, width, duration_ms)
 
         def finish(self, rid):
+            self._flush()
             self.cache.finish_request(rid, share=True)
             self.ctl.finish(rid)
 
