@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The controller issue's table: adaptive vs every static chain/tree k in {2,4,8,16} vs the oracle controller,
-# on every dev trace, both profiles, batch 1 and 32. Chat and reasoning are cut to their first N requests
-# (MAXREQ, default 100) to fit a 2-core machine; set MAXREQ=0 for the whole traces.
+# on every dev trace, both profiles, batch 1 and 32. Chat and reasoning can be cut to their first N requests
+# (MAXREQ, default 0 = whole traces; about 17 minutes on the 2-core dev machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T=../shared/traces
 OUT=${OUT_DIR:-out}
 mkdir -p "$OUT"
-MAXREQ=${MAXREQ:-100}
+MAXREQ=${MAXREQ:-0}
 PY=${PY:-.venv/bin/python}
 methods=(--method none --method ngramspec-adaptive --method oracle-ctl:k=15)
 for k in 2 4 8 16; do methods+=(--method ngramspec-chain:k=$k --method ngramspec-tree:k=$k); done
