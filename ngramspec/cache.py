@@ -189,13 +189,16 @@ class NgramCache:
         if len(set(slots)) != len(slots):
             raise ValueError("a request id appears twice in one batch")
         flat = None
-        if all(type(t) is list for t in token_lists):  # the common case: validate the batch in one pass
-            joined = [x for t in token_lists for x in t]
-            try:
-                flat = as_tokens(joined, "tokens")
+        try:  # the common cases, validated in one pass over the whole batch
+            if all(type(t) is list for t in token_lists):
+                flat = as_tokens([x for t in token_lists for x in t], "tokens")
                 lengths = [len(t) for t in token_lists]
-            except (TypeError, ValueError):
-                flat = None  # validate request by request below, for an error that names the request
+            elif token_lists and all(isinstance(t, np.ndarray) and t.ndim == 1 and t.dtype.kind in "iu"
+                                     for t in token_lists):
+                flat = as_tokens(np.concatenate(token_lists), "tokens")
+                lengths = [t.size for t in token_lists]
+        except (TypeError, ValueError):
+            flat = None  # validate request by request below, for an error that names the request
         if flat is None:
             arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
             flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
