@@ -13,7 +13,7 @@ case "${1:-core}" in
     ;;
   sglang)
     [ -x .venv-sglang/bin/python ] || "$PY" -m venv .venv-sglang
-    .venv-sglang/bin/pip install -q -e ".[sglang,test,sim]"
+    .venv-sglang/bin/pip install -q -e ".[sglang,test,sim]" "sglang==0.5.23"  # the version the plugin is tested against
     .venv-sglang/bin/pip install -q "arctic-inference==0.3.0"
     ;;
   *) echo "usage: $0 core|sglang" >&2; exit 2 ;;
