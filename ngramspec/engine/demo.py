@@ -62,6 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     decoder = SpecDecoder(kv)
     eos = tokenizer.eos_token_id
 
+    # compile numba's kernels and warm torch on a throwaway cache and policy, so no timing below pays for it
+    from ngramspec.cache import warm_up
+
+    warm_up()
+    decoder.generate([prompts[0][:16]], 4, eos_token_id=eos)
+    decoder.generate([prompts[0][:16]], 4, policy=make_policy(spec), cache=NgramCache(), rids=["warm-up"],
+                     eos_token_id=eos)
+
     spec_cache = NgramCache()
     rows, outputs = [], []
     total = 2 * len(prompts) * args.max_new_tokens
