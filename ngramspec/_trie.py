@@ -145,7 +145,6 @@ def free_node(nodes, table, meta, n):
 @njit(cache=True)
 def free_subtree(nodes, table, meta, root, stack):
     """Free ``root`` and everything below it (``stack`` is scratch of at least the trie's capacity)."""
-    top = 0
     stack[0] = root
     top = 1
     order = 0

@@ -27,7 +27,6 @@ Given the same inputs the controller takes the same decisions.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -57,28 +56,9 @@ def default_prior(batch: int, width: int) -> float:
 
 def prior_from_calibration(path: str, column: str = "graph_ms") -> Callable[[int, int], float]:
     """c(B, n) from a calibration JSON (rows of B, k, kind, eager_ms, graph_ms), interpolated over B and n."""
-    with open(path) as f:
-        rows = [r for r in json.load(f)["rows"] if r.get("kind", "chain") == "chain"]
-    batches = sorted({int(r["B"]) for r in rows})
-    table = {b: sorted((int(r["k"]), float(r[column])) for r in rows if int(r["B"]) == b) for b in batches}
+    from ngramspec.profiles import TableProfile
 
-    def at_batch(b: int, n: int) -> float:
-        ks, ms = zip(*table[b])
-        return float(np.interp(n, ks, ms))
-
-    def cost(batch: int, width: int) -> float:
-        if batch <= batches[0]:
-            return at_batch(batches[0], width)
-        if batch >= batches[-1]:
-            return at_batch(batches[-1], width) * batch / batches[-1] if batch > batches[-1] else at_batch(batch, width)
-        hi = next(b for b in batches if b >= batch)
-        lo = max(b for b in batches if b <= batch)
-        if hi == lo:
-            return at_batch(lo, width)
-        t = (batch - lo) / (hi - lo)
-        return (1 - t) * at_batch(lo, width) + t * at_batch(hi, width)
-
-    return cost
+    return TableProfile.from_json(path, column).cost_ms
 
 
 def batch_bucket(batch: int) -> int:
@@ -192,18 +172,6 @@ def _expected_tokens(parents, offsets, cells, succ, trials, coarse_succ, coarse_
                 if widths[w] - 1 >= k:
                     out[w] += P[j]
     return P, out
-
-
-@njit(cache=True)
-def _path_values(parents, offsets, cond):
-    """P(node accepted) = product of calibrated conditionals along its path."""
-    P = np.empty(parents.shape[0], np.float64)
-    for i in range(offsets.shape[0] - 1):
-        a = offsets[i]
-        for j in range(a, offsets[i + 1]):
-            p = parents[j]
-            P[j] = cond[j] if p < 0 else cond[j] * P[a + p]
-    return P
 
 
 @dataclass
