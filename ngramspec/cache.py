@@ -293,7 +293,8 @@ class NgramCache:
 
     def stats(self) -> dict:
         """Node and token usage, and the bytes held by the cache's arrays."""
-        nbytes = sum(a.nbytes for a in (self._l_nodes, self._l_table, self._s_nodes, self._s_table, self._arena))
+        nbytes = sum(a.nbytes for a in (self._l_nodes, self._l_table, self._s_nodes, self._s_table, self._arena,
+                                        self._scratch))
         nbytes += sum(int(self._hist_arrays[s].nbytes) for s in self._slot_of.values())
         return {
             "active_requests": len(self._slot_of),
