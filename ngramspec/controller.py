@@ -45,7 +45,6 @@ _QBINS = np.array([0.1, 0.25, 0.5, 0.75, 0.999], np.float64)  # raw conditional
 _DBINS = np.array([2, 4, 8], np.int64)  # depth: 1 | 2-3 | 4-7 | 8+
 _RBINS = 6  # request's recent success: unknown | 5 quantized levels
 _SHAPE = (2, 4, 6, 4, _RBINS)
-_COARSE = 4 * _RBINS  # fine cells per coarse cell (depth x request bins)
 
 
 def default_prior(batch: int, width: int) -> float:
@@ -128,7 +127,7 @@ class CostModel:
 
 @njit(cache=True)
 def _node_cells(parents, probs, sources, offsets, mlens, rbins, mb, qb, db):
-    """Calibration cell (flat index) and conditional of every node of a flat DraftBatch."""
+    """Calibration cell (flat index into the fine table) of every node of a flat DraftBatch."""
     n = parents.shape[0]
     cells = np.empty(n, np.int64)
     depth = np.empty(n, np.int64)
@@ -150,28 +149,61 @@ def _node_cells(parents, probs, sources, offsets, mlens, rbins, mb, qb, db):
 
 
 @njit(cache=True)
-def _expected_tokens(parents, offsets, cells, succ, trials, coarse_succ, coarse_trials, prior_mean, strength,
-                     widths):
-    """Calibrated P(accepted) per node (a fine cell shrinks towards its coarse cell, which shrinks towards the
-    fixed prior; P is the product along the path) and, per width, the batch's expected tokens (bonus included)."""
+def _mid(cell):
+    """(source, match, conditional, depth) cell of a fine cell."""
+    return cell // _RBINS
+
+
+@njit(cache=True)
+def _top(cell):
+    """(conditional, depth) cell of a fine cell."""
+    mid = cell // _RBINS
+    return ((mid // 4) % 6) * 4 + mid % 4
+
+
+@njit(cache=True)
+def _expected_tokens(parents, offsets, cells, succ, trials, mid_succ, mid_trials, top_succ, top_trials,
+                     prior_mean, strength, widths):
+    """Calibrated P(accepted) per node and, per request and width, the expected accepted nodes (no bonus).
+
+    A node's conditional acceptance is its fine cell's Beta mean, shrunk towards its (source, match,
+    conditional, depth) cell, shrunk towards its (conditional, depth) cell, shrunk towards the fixed prior;
+    P is the product along the path."""
     n = parents.shape[0]
     P = np.empty(n, np.float64)
     B = offsets.shape[0] - 1
-    out = np.full(widths.shape[0], float(B))
+    G = np.zeros((B, widths.shape[0]))
     for i in range(B):
         a = offsets[i]
         for j in range(a, offsets[i + 1]):
             c = cells[j]
-            cc = c // _COARSE
-            coarse = (coarse_succ[cc] + strength * prior_mean[cc]) / (coarse_trials[cc] + strength)
-            cond = (succ[c] + strength * coarse) / (trials[c] + strength)
+            t = _top(c)
+            mc = _mid(c)
+            top = (top_succ[t] + strength * prior_mean[t]) / (top_trials[t] + strength)
+            mid = (mid_succ[mc] + strength * top) / (mid_trials[mc] + strength)
+            cond = (succ[c] + strength * mid) / (trials[c] + strength)
             p = parents[j]
             P[j] = cond if p < 0 else cond * P[a + p]
             k = j - a + 1  # this node is the request's k-th: every width w with w - 1 >= k holds it
             for w in range(widths.shape[0]):
                 if widths[w] - 1 >= k:
-                    out[w] += P[j]
-    return P, out
+                    G[i, w] += P[j]
+    return P, G
+
+
+@njit(cache=True)
+def _record(tried, hits, succ, trials, mid_succ, mid_trials, top_succ, top_trials):
+    for i in range(tried.shape[0]):
+        c = tried[i]
+        mc = _mid(c)
+        t = _top(c)
+        trials[c] += 1.0
+        mid_trials[mc] += 1.0
+        top_trials[t] += 1.0
+        if hits[i]:
+            succ[c] += 1.0
+            mid_succ[mc] += 1.0
+            top_succ[t] += 1.0
 
 
 @dataclass
@@ -188,7 +220,7 @@ class _Pending:
 @dataclass
 class _Request:
     success: float | None = None  # EWMA of this request's per-node conditional success
-    pending: _Pending | None = None
+    pending: list = field(default_factory=list)  # every proposed draft not yet decided (oldest first)
 
 
 @dataclass(frozen=True)
@@ -207,15 +239,15 @@ class AdaptiveController:
     measurement: a callable or a calibration file path), ``explore_min`` + ``explore_frac`` x steps (how many steps
     may try a width not yet measured within a factor of two of the current batch size; only one that would win at ``explore_optimism``
     times its estimated cost, the widest first; unmeasured widths between measured ones are interpolated, not explored), ``prior_strength`` (pseudo-trials behind each calibration cell's prior),
-    ``prior_scale`` (per match-length bin: the prior of a cell's conditional acceptance is this times the cache's
-    raw conditional; longer matches are trusted more),
+    ``prior_scale`` (per depth bin 1 | 2-3 | 4-7 | 8+: the fixed prior of a cell's conditional acceptance is this
+    times the cache's raw conditional; it only matters until the (conditional, depth) cells have data),
     ``request_alpha`` (EWMA weight of a request's recent success), ``min_gain`` (drafting must beat plain decoding
     by this relative margin in expected goodput), ``trace_len`` (decisions kept for debugging).
     """
 
     def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
                  explore_min: int = 1, explore_optimism: float = 0.7,
-                 prior_strength: float = 3.0, prior_scale: Sequence[float] = (0.15, 0.25, 0.35, 0.5),
+                 prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
                  request_alpha: float = 0.25, min_gain: float = 0.05,
                  trace_len: int = 1000):
         widths = sorted(set(int(w) for w in widths))
@@ -235,17 +267,17 @@ class AdaptiveController:
         self.prior_strength = float(prior_strength)
         self.prior_scale = np.asarray(prior_scale, np.float64)
         if self.prior_scale.shape != (4,):
-            raise ValueError("prior_scale needs one factor per match-length bin (1, 2-3, 4-7, 8+)")
+            raise ValueError("prior_scale needs one factor per depth bin (1, 2-3, 4-7, 8+)")
         self.request_alpha = float(request_alpha)
         self.min_gain = float(min_gain)
         self.succ = np.zeros(int(np.prod(_SHAPE)), np.float64)  # fine cells
         self.trials = np.zeros_like(self.succ)
-        n_coarse = int(np.prod(_SHAPE[:3]))  # (source, match length, raw conditional)
-        self.coarse_succ = np.zeros(n_coarse, np.float64)
-        self.coarse_trials = np.zeros(n_coarse, np.float64)
+        self.mid_succ = np.zeros(int(np.prod(_SHAPE[:4])), np.float64)  # (source, match, conditional, depth)
+        self.mid_trials = np.zeros_like(self.mid_succ)
+        self.top_succ = np.zeros(6 * 4, np.float64)  # (conditional, depth)
+        self.top_trials = np.zeros_like(self.top_succ)
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
-        self.prior_mean = np.broadcast_to(self.prior_scale[None, :, None] * q_mid[None, None, :],
-                                          _SHAPE[:3]).reshape(-1).copy()
+        self.prior_mean = (q_mid[:, None] * self.prior_scale[None, :]).reshape(-1).copy()
         self.requests: dict[Hashable, _Request] = {}
         self.trace: deque = deque(maxlen=int(trace_len))
         self._n_steps = 0
@@ -274,6 +306,9 @@ class AdaptiveController:
         except KeyError as e:
             raise KeyError(f"unknown request id {e.args[0]!r}: call start() first") from None
 
+    def _tables(self):
+        return self.succ, self.trials, self.mid_succ, self.mid_trials, self.top_succ, self.top_trials
+
     def _cells(self, rids, batch: DraftBatch) -> np.ndarray:
         return _node_cells(batch.parents, batch.probs.astype(np.float64), batch.sources.astype(np.int64),
                            batch.offsets, batch.match_lens, self._rbins(rids), _MBINS, _QBINS, _DBINS)
@@ -281,35 +316,48 @@ class AdaptiveController:
     def node_values(self, rids: Sequence[Hashable], batch: DraftBatch) -> tuple[np.ndarray, np.ndarray]:
         """Calibrated P(accepted) of every node of the batch, and each node's calibration cell."""
         cells = self._cells(rids, batch)
-        P, _ = _expected_tokens(batch.parents, batch.offsets, cells, self.succ, self.trials, self.coarse_succ,
-                                self.coarse_trials, self.prior_mean, self.prior_strength, self._widths)
+        P, _ = _expected_tokens(batch.parents, batch.offsets, cells, *self._tables(), self.prior_mean,
+                                self.prior_strength, self._widths)
         return P, cells
 
-    def plan(self, rids: Sequence[Hashable], batch: DraftBatch) -> Plan:
+    def expected_tokens(self, rids: Sequence[Hashable], batch: DraftBatch) -> np.ndarray:
+        """Per width of ``self.widths``, the batch's expected tokens this step (bonus included)."""
+        cells = self._cells(rids, batch)
+        _, G = _expected_tokens(batch.parents, batch.offsets, cells, *self._tables(), self.prior_mean,
+                                self.prior_strength, self._widths)
+        return 1.0 + G.sum(axis=0)
+
+    def plan(self, rids: Sequence[Hashable], batch: DraftBatch, waiting: int | None = None) -> Plan:
         """Pick the width and per-request prefixes for this step; records the drafts for calibration."""
         B = len(rids)
         if len(batch) != B:
             raise ValueError(f"{B} request ids but {len(batch)} drafts")
         cells = self._cells(rids, batch)
-        _, expected = _expected_tokens(batch.parents, batch.offsets, cells, self.succ, self.trials,
-                                       self.coarse_succ, self.coarse_trials, self.prior_mean,
-                                       self.prior_strength, self._widths)
+        _, G = _expected_tokens(batch.parents, batch.offsets, cells, *self._tables(), self.prior_mean,
+                                self.prior_strength, self._widths)
+        expected = B + G.sum(axis=0)
+        if waiting == 0 and B > 1:  # nobody waiting: judge each width by its mean log rate per request
+            log_tokens = np.log1p(G).sum(axis=0)
         lens = np.diff(batch.offsets)
-        for i, rid in enumerate(rids):  # shadow-evaluate this draft unless one is already pending
-            r = self.requests[rid]
-            if r.pending is None and lens[i] > 0:
+        for i, rid in enumerate(rids):  # shadow-evaluate every draft, sent or not (see observe_tokens)
+            if lens[i] > 0:
                 a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
-                r.pending = _Pending(batch.tokens[a:b].tolist(), batch.parents[a:b].tolist(), cells[a:b].copy())
+                self.requests[rid].pending.append(
+                    _Pending(batch.tokens[a:b].tolist(), batch.parents[a:b].tolist(), cells[a:b].copy()))
         any_draft = bool(batch.offsets[-1] > 0)
         values = []
-        for w, tokens in zip(self.widths, expected.tolist()):
+        for wi, (w, tokens) in enumerate(zip(self.widths, expected.tolist())):
             if w > 1 and not any_draft:
                 break
             cost = self.costs.estimate(B, w)
-            values.append((tokens / cost, w, tokens, cost))
-        best = max(values, key=lambda v: (v[0], -v[1]))
-        if best[1] > 1 and best[0] < values[0][0] * (1.0 + self.min_gain):
-            best = values[0]  # a gain within the margin is not worth the risk of a wrong estimate
+            if waiting == 0 and B > 1:  # geometric mean of the requests' rates, as a batch rate
+                values.append((B * math.exp(log_tokens[wi] / B) / cost, w, tokens, cost))
+            else:
+                values.append((tokens / cost, w, tokens, cost))
+        # a wider verify risks more time on a wrong estimate: its value must beat plain decoding by a margin
+        # proportional to its extra cost (min_gain per decode-step of extra time)
+        plain = values[0][3]
+        best = max(values, key=lambda v: (v[0] / (1.0 + self.min_gain * max(0.0, v[3] / plain - 1.0)), -v[1]))
         reason = "best" if best[1] > 1 else ("no-draft" if not any_draft else "best")
         self._n_steps += 1
         if any_draft and self._n_explored < self.explore_min + self.explore_frac * self._n_steps:
@@ -341,36 +389,33 @@ class AdaptiveController:
             r = self.requests[rid]
         except KeyError:
             raise KeyError(f"unknown request id {rid!r}") from None
-        p = r.pending
-        if p is None:
+        if not r.pending:
             return
         tried: list[int] = []
-        hits: list[float] = []
-        for t in committed:
-            nxt = -1
-            for j, (tok, par) in enumerate(zip(p.tokens, p.parents)):
-                if par == p.cur:
-                    tried.append(int(p.cells[j]))
-                    hit = tok == t
-                    hits.append(1.0 if hit else 0.0)
-                    if hit:
-                        nxt = j
-            if nxt < 0:
-                r.pending = None  # decided: the accepted path ends here
-                break
-            p.cur = nxt
-        else:
-            if not any(par == p.cur for par in p.parents):
-                r.pending = None  # every node decided
+        hits: list[bool] = []
+        # Every draft proposed is judged, not only those sent: one that was not sent is decided over the next
+        # steps' tokens while newer drafts are proposed. Judging only a draft at a time would under-sample the
+        # drafts proposed while an older one keeps being right, and so underrate a request on a good streak.
+        still = []
+        for p in r.pending:
+            for t in committed:
+                nxt = -1
+                for j, (tok, par) in enumerate(zip(p.tokens, p.parents)):
+                    if par == p.cur:
+                        tried.append(int(p.cells[j]))
+                        hit = tok == t
+                        hits.append(hit)
+                        if hit:
+                            nxt = j
+                if nxt < 0:
+                    break  # decided: the accepted path ends here
+                p.cur = nxt
+            else:
+                if any(par == p.cur for par in p.parents):
+                    still.append(p)  # children of the accepted node still to be decided
+        r.pending = still
         if tried:
-            trials, succ, c_trials, c_succ = self.trials, self.succ, self.coarse_trials, self.coarse_succ
-            for c, h in zip(tried, hits):  # a handful of cells: plain indexing beats np.add.at here
-                cc = c // _COARSE
-                trials[c] += 1.0
-                c_trials[cc] += 1.0
-                if h:
-                    succ[c] += 1.0
-                    c_succ[cc] += 1.0
+            _record(np.array(tried, np.int64), np.array(hits, np.bool_), *self._tables())
             rate = sum(hits) / len(hits)
             r.success = rate if r.success is None else r.success + self.request_alpha * (rate - r.success)
 
@@ -400,6 +445,7 @@ def _register() -> None:
             else:
                 raise ValueError(f"prior must be 'default', a profile name or a .json file, got {prior!r}")
             self.ctl = AdaptiveController(widths, prior=prior_fn, explore_frac=explore_frac)
+            self.waiting = None  # requests queued behind the batch, when the simulator says
             self.cache = NgramCache(max_depth=depth)
             self.tree = bool(tree)
             self._width = 1
@@ -432,7 +478,7 @@ def _register() -> None:
         def propose(self, rids):
             self._flush()
             batch = self.cache.propose(rids, max(1, self.ctl.max_width - 1), tree=self.tree)
-            plan = self.ctl.plan(rids, batch)
+            plan = self.ctl.plan(rids, batch, waiting=self.waiting)
             self._width = plan.width
             out = []
             for i in range(len(rids)):

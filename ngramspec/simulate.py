@@ -114,6 +114,7 @@ def replay(trace: Trace, method: Method, batch: int = 1, profile: CostProfile | 
             proposer_s += clock() - t0
             active.append(upcoming)
             upcoming += 1
+        method.waiting = len(outputs) - upcoming  # what a server's scheduler knows: its queue
         t0 = clock()
         drafts = method.propose(active)
         proposer_s += clock() - t0

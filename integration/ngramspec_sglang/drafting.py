@@ -85,7 +85,7 @@ class FixedWidthController:
     def finish(self, rid) -> None:
         pass
 
-    def plan(self, rids, batch):
+    def plan(self, rids, batch, waiting=None):
         from ngramspec.controller import Plan
 
         lengths = np.minimum(np.diff(batch.offsets), self.width - 1)
@@ -203,8 +203,9 @@ class DraftPlanner:
         self._steps = 0
 
     # ----------------------------------------------------------------------------------- per step
-    def plan(self, views: Sequence[RequestView]) -> StepPlan:
-        """Sync cache and controller with `views`, share timings, choose width and drafts."""
+    def plan(self, views: Sequence[RequestView], waiting: int | None = None) -> StepPlan:
+        """Sync cache and controller with `views`, share timings, choose width and drafts. ``waiting``: the
+        scheduler's queue length (identical on every TP rank), or None when unknown."""
         if not views:
             raise ValueError("plan() needs at least one request")
         self.stats.record_outcome(self._sync(views))
@@ -217,7 +218,7 @@ class DraftPlanner:
 
         rids = [v.rid for v in views]
         batch = self._propose(rids)
-        decision = self.controller.plan(rids, batch)
+        decision = self.controller.plan(rids, batch, waiting=waiting)
         plan = self._build(views, batch, decision)
         for v, k in zip(views, plan.drafted):
             self._last[v.rid] = (v.committed_len, int(k))

@@ -8,6 +8,12 @@ Handled here (through SGLang's `HookRegistry`, applied by `load_plugins()`):
   1 + the interval's mean drafted tokens per request, which makes that quotient exactly
   correct drafts / drafted tokens. `spec_accept_length` needs no fix (it counts accepted tokens).
 
+- `Scheduler.run_batch`: records the scheduler's waiting-queue length on the NGRAM_ADAPTIVE worker before
+  each batch runs (`worker.waiting_requests`). The controller uses it to tell a busy server (requests
+  queued: maximize the batch's tokens per second) from one whose batch is draining (nobody queued: judge a
+  width by the requests' geometric-mean speed, so one request's long draft does not slow the others down).
+  Every TP rank schedules the same requests, so every rank sees the same length.
+
 Left as they are (documented in docs/sglang.md): the LoRA allow-list in `lora_hook.py` (LoRA is
 rejected, and our validator says why first: per-width verify graphs, like `--speculative-adaptive`,
 do not rebuild LoRA cuda-graph metadata), the external-corpus endpoints in
@@ -23,7 +29,17 @@ DECODE_REPORT = (
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 )
 
+RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+
 _registered = False
+
+
+def record_waiting(original, scheduler, *args, **kwargs):
+    """AROUND hook: tell the NGRAM_ADAPTIVE worker how many requests wait, then run the batch."""
+    worker = getattr(scheduler, "draft_worker", None)
+    if worker is not None and hasattr(worker, "waiting_requests"):
+        worker.waiting_requests = len(getattr(scheduler, "waiting_queue", ()))
+    return original(scheduler, *args, **kwargs)
 
 
 def report_with_mean_width(original, reporter, *args, **kwargs):
@@ -50,4 +66,5 @@ def register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(DECODE_REPORT, report_with_mean_width, HookType.AROUND)
+    HookRegistry.register(RUN_BATCH, record_waiting, HookType.AROUND)
     _registered = True

@@ -79,6 +79,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._tp_group = get_parallel().tp_group
         self._max_requests = 2 * max(1024, get_schedule().max_running_requests or 0)
         self.planner = self._new_planner()
+        self.waiting_requests: int | None = None  # set by the Scheduler.run_batch hook (hooks.py)
         self._width_states: dict[int, tuple] = {}
         self._timings: deque = deque()
         self._gauges = None
@@ -239,7 +240,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._prev_decode_rids = current_rids
         self._harvest_timings()
         use_prev_tokens = self.enable_overlap and not batch.grammar_needs_sync()
-        plan = self.planner.plan(request_views(batch, use_prev_tokens))
+        # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
+        plan = self.planner.plan(request_views(batch, use_prev_tokens), waiting=getattr(self, "waiting_requests", None))
         width = plan.width
         self._activate_width(width)
         with get_spec().override(speculative_num_draft_tokens=width):

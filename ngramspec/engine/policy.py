@@ -37,7 +37,7 @@ class AdaptivePolicy:
         self.controller.finish(rid)
 
     def choose(self, rids, batch) -> tuple[int, np.ndarray]:
-        plan = self.controller.plan(rids, batch)
+        plan = self.controller.plan(rids, batch, waiting=0)  # the engine runs a fixed set of prompts: none queue
         return int(plan.width), np.asarray(plan.lengths, np.int64)
 
     def observe_tokens(self, rid, committed) -> None:

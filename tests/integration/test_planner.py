@@ -22,7 +22,7 @@ class RecordingController:
 
     def __init__(self, widths_to_choose):
         self.widths = list(widths_to_choose)
-        self.tokens, self.steps, self.started, self.finished = [], [], [], []
+        self.tokens, self.steps, self.started, self.finished, self.waiting = [], [], [], [], []
 
     def start(self, rid):
         self.started.append(rid)
@@ -30,7 +30,8 @@ class RecordingController:
     def finish(self, rid):
         self.finished.append(rid)
 
-    def plan(self, rids, batch):
+    def plan(self, rids, batch, waiting=None):
+        self.waiting.append(waiting)
         width = self.widths.pop(0)
         return Plan(width, np.minimum(np.diff(batch.offsets), width - 1), float(len(rids)), 1.0, "scripted")
 
@@ -95,7 +96,7 @@ def test_layout_rows_hold_root_then_prefix_of_the_draft():
 ])
 def test_bad_controller_answers_raise(width, lengths, message):
     class Bad(RecordingController):
-        def plan(self, rids, batch):
+        def plan(self, rids, batch, waiting=None):
             return Plan(width, np.array(lengths if lengths is not None else [0] * len(rids)), 1.0, 1.0, "bad")
 
     p = planner(controller=Bad([]))
@@ -243,3 +244,11 @@ def test_requests_the_cache_has_no_room_for_are_served_without_drafts():
     assert ctrl.finished == ["a", "c"]
     plan = p.plan([RequestView("d", [3, 4, 3, 4, 3], [])])  # room again
     assert "d" in cache and plan.drafted.tolist() == [3]
+
+
+def test_the_queue_length_reaches_the_controller():
+    ctrl = RecordingController([1, 1])
+    p = planner(controller=ctrl)
+    p.plan([RequestView("r", [1, 2, 3], [])], waiting=5)
+    p.plan([RequestView("r", [1, 2, 3], [4])])
+    assert ctrl.waiting == [5, None]

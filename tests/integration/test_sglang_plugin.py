@@ -227,3 +227,26 @@ def test_our_gauges_export_the_interval_summary():
     assert REGISTRY.get_sample_value("ngramspec:drafted_tokens") == 7.5
     assert REGISTRY.get_sample_value("ngramspec:predicted_accept_length") == 2.25
     assert REGISTRY.get_sample_value("ngramspec:realized_accept_length") == 2.5
+
+
+def test_run_batch_hook_tells_the_worker_the_queue_length(plugin):
+    """The Scheduler.run_batch hook records the waiting-queue length on our worker before the batch runs."""
+    from types import SimpleNamespace
+
+    from ngramspec_sglang.hooks import record_waiting
+
+    seen = []
+    worker = SimpleNamespace(waiting_requests=None)
+    scheduler = SimpleNamespace(draft_worker=worker, waiting_queue=["a", "b", "c"])
+    assert record_waiting(lambda s, batch: seen.append((batch, s.draft_worker.waiting_requests)) or "ran",
+                          scheduler, "batch") == "ran"
+    assert seen == [("batch", 3)]
+    other = SimpleNamespace(draft_worker=SimpleNamespace(), waiting_queue=[])  # another algorithm's worker
+    record_waiting(lambda s, batch: None, other, "batch")
+    assert not hasattr(other.draft_worker, "waiting_requests")
+    try:
+        from sglang.srt.managers.scheduler import Scheduler
+    except ImportError as e:  # CPU machine without a GPU build of sgl_kernel
+        pytest.skip(f"scheduler import needs a GPU build of sglang: {str(e).splitlines()[0] or e}")
+    assert "record_waiting" in repr(Scheduler.run_batch) or getattr(Scheduler.run_batch, "__wrapped__", None)
+
