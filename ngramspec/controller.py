@@ -156,9 +156,9 @@ def _mid(cell):
 
 @njit(cache=True)
 def _top(cell):
-    """(conditional, depth) cell of a fine cell."""
+    """(source, conditional, depth) cell of a fine cell."""
     mid = cell // _RBINS
-    return ((mid // 4) % 6) * 4 + mid % 4
+    return (mid // 96) * 24 + ((mid // 4) % 6) * 4 + mid % 4
 
 
 @njit(cache=True)
@@ -274,10 +274,10 @@ class AdaptiveController:
         self.trials = np.zeros_like(self.succ)
         self.mid_succ = np.zeros(int(np.prod(_SHAPE[:4])), np.float64)  # (source, match, conditional, depth)
         self.mid_trials = np.zeros_like(self.mid_succ)
-        self.top_succ = np.zeros(6 * 4, np.float64)  # (conditional, depth)
+        self.top_succ = np.zeros(2 * 6 * 4, np.float64)  # (source, conditional, depth)
         self.top_trials = np.zeros_like(self.top_succ)
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
-        self.prior_mean = (q_mid[:, None] * self.prior_scale[None, :]).reshape(-1).copy()
+        self.prior_mean = np.tile((q_mid[:, None] * self.prior_scale[None, :]).reshape(-1), 2)
         self.requests: dict[Hashable, _Request] = {}
         self.trace: deque = deque(maxlen=int(trace_len))
         self._n_steps = 0
@@ -435,8 +435,14 @@ def _register() -> None:
         profile_dependent = True  # its decisions depend on the durations it observes
 
         def __init__(self, max_width: int = 16, prior: str = "default", tree: int = 1, depth: int = 16,
-                     explore_frac: float = 0.002):
-            widths = [w for w in DEFAULT_WIDTHS if w <= max_width]
+                     explore_frac: float = 0.002, widths: str | None = None):
+            if widths is not None:  # e.g. widths=1-2-4-8-17
+                try:
+                    widths = [int(w) for w in str(widths).split("-")]
+                except ValueError:
+                    raise ValueError(f"widths must look like 1-2-4-8-16, got {widths!r}") from None
+            else:
+                widths = [w for w in DEFAULT_WIDTHS if w <= max_width]
             if prior == "default":
                 prior_fn = None
             elif prior in ("seed-pcie8", "h200-llama8b") or prior.endswith(".json"):
