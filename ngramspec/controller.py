@@ -43,8 +43,9 @@ DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 _MBINS = np.array([2, 4, 8], np.int64)  # match length: 1 | 2-3 | 4-7 | 8+
 _QBINS = np.array([0.1, 0.25, 0.5, 0.75, 0.999], np.float64)  # raw conditional
 _DBINS = np.array([2, 4, 8], np.int64)  # depth: 1 | 2-3 | 4-7 | 8+
+_KBINS = np.array([2, 3, 5], np.int64)  # drafted siblings (itself included): 1 | 2 | 3-4 | 5+
 _RBINS = 6  # request's recent success: unknown | 5 quantized levels
-_SHAPE = (2, 4, 6, 4, _RBINS)
+_SHAPE = (2, 4, 6, 4, 4, _RBINS)  # source, match, conditional, depth, siblings, request
 
 
 def default_prior(batch: int, width: int) -> float:
@@ -126,14 +127,19 @@ class CostModel:
 
 
 @njit(cache=True)
-def _node_cells(parents, probs, sources, offsets, mlens, rbins, mb, qb, db):
+def _node_cells(parents, probs, sources, offsets, mlens, rbins, mb, qb, db, kb):
     """Calibration cell (flat index into the fine table) of every node of a flat DraftBatch."""
     n = parents.shape[0]
     cells = np.empty(n, np.int64)
     depth = np.empty(n, np.int64)
+    siblings = np.zeros(n + 1, np.int64)  # children per parent (index p + 1; 0: the root)
     for i in range(offsets.shape[0] - 1):
         a = offsets[i]
         m = np.searchsorted(mb, mlens[i], side="right")
+        for j in range(a, offsets[i + 1] + 1):
+            siblings[j - a] = 0
+        for j in range(a, offsets[i + 1]):
+            siblings[parents[j] + 1] += 1
         for j in range(a, offsets[i + 1]):
             p = parents[j]
             if p < 0:
@@ -144,21 +150,22 @@ def _node_cells(parents, probs, sources, offsets, mlens, rbins, mb, qb, db):
                 depth[j] = depth[a + p] + 1
             qi = np.searchsorted(qb, q, side="right")
             di = np.searchsorted(db, depth[j], side="right")
-            cells[j] = (((sources[j] * 4 + m) * 6 + qi) * 4 + di) * _RBINS + rbins[i]
+            ki = np.searchsorted(kb, siblings[p + 1], side="right")
+            cells[j] = ((((sources[j] * 4 + m) * 6 + qi) * 4 + di) * 4 + ki) * _RBINS + rbins[i]
     return cells
 
 
 @njit(cache=True)
 def _mid(cell):
-    """(source, match, conditional, depth) cell of a fine cell."""
+    """(source, match, conditional, depth, siblings) cell of a fine cell."""
     return cell // _RBINS
 
 
 @njit(cache=True)
 def _top(cell):
-    """(source, conditional, depth) cell of a fine cell."""
+    """(source, conditional, depth, siblings) cell of a fine cell."""
     mid = cell // _RBINS
-    return (mid // 96) * 24 + ((mid // 4) % 6) * 4 + mid % 4
+    return (mid // 384) * 96 + mid % 96
 
 
 @njit(cache=True)
@@ -248,7 +255,7 @@ class AdaptiveController:
     def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
                  explore_min: int = 1, explore_optimism: float = 0.7,
                  prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
-                 request_alpha: float = 0.25, min_gain: float = 0.05,
+                 request_alpha: float = 0.25, min_gain: float = 0.1,
                  trace_len: int = 1000):
         widths = sorted(set(int(w) for w in widths))
         if not widths or widths[0] < 1:
@@ -272,12 +279,12 @@ class AdaptiveController:
         self.min_gain = float(min_gain)
         self.succ = np.zeros(int(np.prod(_SHAPE)), np.float64)  # fine cells
         self.trials = np.zeros_like(self.succ)
-        self.mid_succ = np.zeros(int(np.prod(_SHAPE[:4])), np.float64)  # (source, match, conditional, depth)
+        self.mid_succ = np.zeros(int(np.prod(_SHAPE[:5])), np.float64)  # (source, match, conditional, depth, siblings)
         self.mid_trials = np.zeros_like(self.mid_succ)
-        self.top_succ = np.zeros(2 * 6 * 4, np.float64)  # (source, conditional, depth)
+        self.top_succ = np.zeros(2 * 6 * 4 * 4, np.float64)  # (source, conditional, depth, siblings)
         self.top_trials = np.zeros_like(self.top_succ)
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
-        self.prior_mean = np.tile((q_mid[:, None] * self.prior_scale[None, :]).reshape(-1), 2)
+        self.prior_mean = np.tile(np.repeat((q_mid[:, None] * self.prior_scale[None, :]).reshape(-1), 4), 2)
         self.requests: dict[Hashable, _Request] = {}
         self.trace: deque = deque(maxlen=int(trace_len))
         self._n_steps = 0
@@ -311,7 +318,7 @@ class AdaptiveController:
 
     def _cells(self, rids, batch: DraftBatch) -> np.ndarray:
         return _node_cells(batch.parents, batch.probs.astype(np.float64), batch.sources.astype(np.int64),
-                           batch.offsets, batch.match_lens, self._rbins(rids), _MBINS, _QBINS, _DBINS)
+                           batch.offsets, batch.match_lens, self._rbins(rids), _MBINS, _QBINS, _DBINS, _KBINS)
 
     def node_values(self, rids: Sequence[Hashable], batch: DraftBatch) -> tuple[np.ndarray, np.ndarray]:
         """Calibrated P(accepted) of every node of the batch, and each node's calibration cell."""
