@@ -1,17 +1,30 @@
 """The adaptive controller: each step, draft only what pays.
 
 Each step it picks one verify width ``n`` for the batch (``n == 1``: plain decode, nothing drafted) and gives
-every request the first ``min(n - 1, len)`` nodes of its best-first draft, maximizing expected goodput
+every request the first ``min(n - 1, len)`` nodes of its best-first draft. With requests queued behind the
+batch (or when the server does not say), it maximizes expected goodput, the batch's tokens per unit time
 
     sum_i (1 + sum_{j < n-1} P_ij)  /  c(B, n)
 
+When nobody waits (``plan(..., waiting=0)``: the batch drains, or a server at low load), it maximizes the
+requests' geometric-mean speed instead, B * (prod_i (1 + sum_j P_ij))^(1/B) / c(B, n): a verify is paid by
+every request in the batch, so one request's long draft must not slow the others down (in a finite replay the
+last, longest requests set the makespan; in a server each request's latency counts). Either way a width must
+beat plain decoding by ``min_gain`` per decode-step of extra time it costs (c(B, n) / c(B, 1) - 1): a wider
+verify risks more time on a wrong estimate.
+
 **P (acceptance)**. The cache gives each node a path probability from counts; the controller turns each node's
 conditional (its probability over its parent's) into a calibrated conditional acceptance, learned online from
-a table of Beta counts indexed by (source, match length, raw conditional, depth, the request's recent success
-rate); each cell shrinks towards a coarse cell (source, match length, raw conditional), which shrinks towards a
-deliberately pessimistic prior (a fraction of the raw conditional, larger for longer matches). Every proposed draft is *shadow-evaluated* against the tokens the model then really commits, whether or
-not it was sent: a request that stopped drafting keeps producing evidence at no cost, so it recovers after a dry
-spell without paid probes, and a request that starts copying earns long drafts within a few steps.
+Beta counts at three levels: fine cells (source, match length, raw conditional, depth, drafted siblings, the
+request's recent success rate) shrink towards (source, match length, raw conditional, depth, siblings), which
+shrink towards (source, raw conditional, depth, siblings), which shrink towards a fixed pessimistic prior
+(``prior_scale`` x the raw conditional); ``prior_strength`` pseudo-trials at each level. P is the product of the
+calibrated conditionals along the path. Every proposed draft is *shadow-evaluated* against the tokens the
+model then really commits, whether or not it was sent, and every one of them, not only one at a time (a draft
+not sent is decided over the next steps while newer drafts arrive; judging one at a time would under-sample
+the drafts proposed during a good streak): a request that stopped drafting keeps producing evidence at no
+cost, so it recovers after a dry spell without paid probes, and a request that starts copying earns long
+drafts within a few steps.
 
 **c(B, n) (cost)**. Learned from the step durations the server (or simulator) reports: an exponential moving
 average per (batch size, width); an unmeasured batch size borrows the nearest measured one of the same width.
@@ -20,10 +33,11 @@ measured width) taken from a prior's shape (a calibration file, or a conservativ
 measured; and a few are tried, in a small bounded share of
 steps, so a wrong prior is corrected. The controller is never told the true profile.
 
-**Determinism and tensor parallelism**. Decisions depend only on tokens (drafts, committed tokens) and on the
-durations passed to ``observe_step``. Tokens are identical on every rank; durations are not, so a TP server
-must measure them on rank 0 and broadcast them (the SGLang plugin does), or feed every rank the same value.
-Given the same inputs the controller takes the same decisions.
+**Determinism and tensor parallelism**. Decisions depend only on tokens (drafts, committed tokens), on the
+durations passed to ``observe_step`` and on the queue length passed to ``plan``. Tokens and the scheduler's
+queue are identical on every rank; durations are not, so a TP server must measure them on rank 0 and broadcast
+them (the SGLang plugin does), or feed every rank the same value. Given the same inputs the controller takes
+the same decisions.
 """
 from __future__ import annotations
 
@@ -248,8 +262,9 @@ class AdaptiveController:
     times its estimated cost, the widest first; unmeasured widths between measured ones are interpolated, not explored), ``prior_strength`` (pseudo-trials behind each calibration cell's prior),
     ``prior_scale`` (per depth bin 1 | 2-3 | 4-7 | 8+: the fixed prior of a cell's conditional acceptance is this
     times the cache's raw conditional; it only matters until the (conditional, depth) cells have data),
-    ``request_alpha`` (EWMA weight of a request's recent success), ``min_gain`` (drafting must beat plain decoding
-    by this relative margin in expected goodput), ``trace_len`` (decisions kept for debugging).
+    ``request_alpha`` (EWMA weight of a request's recent success), ``min_gain`` (a width's expected value must beat
+    plain decoding's by this share per decode-step of extra cost: 0.1 asks a verify costing 2 decodes for 10%
+    more, one costing 1.3 decodes for 3% more), ``trace_len`` (decisions kept for debugging).
     """
 
     def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
@@ -335,10 +350,17 @@ class AdaptiveController:
         return 1.0 + G.sum(axis=0)
 
     def plan(self, rids: Sequence[Hashable], batch: DraftBatch, waiting: int | None = None) -> Plan:
-        """Pick the width and per-request prefixes for this step; records the drafts for calibration."""
+        """Pick the width and per-request prefixes for this step; records the drafts for calibration.
+
+        ``waiting``: requests queued behind this batch (the scheduler's queue length), or None if unknown.
+        0 switches the objective from the batch's tokens per unit time to the requests' geometric-mean speed
+        (see the module docstring)."""
         B = len(rids)
         if len(batch) != B:
             raise ValueError(f"{B} request ids but {len(batch)} drafts")
+        if waiting is not None and (isinstance(waiting, bool) or not isinstance(waiting, (int, np.integer))
+                                    or waiting < 0):
+            raise ValueError(f"waiting must be a non-negative int or None, got {waiting!r}")
         cells = self._cells(rids, batch)
         _, G = _expected_tokens(batch.parents, batch.offsets, cells, *self._tables(), self.prior_mean,
                                 self.prior_strength, self._widths)
@@ -458,7 +480,6 @@ def _register() -> None:
             else:
                 raise ValueError(f"prior must be 'default', a profile name or a .json file, got {prior!r}")
             self.ctl = AdaptiveController(widths, prior=prior_fn, explore_frac=explore_frac)
-            self.waiting = None  # requests queued behind the batch, when the simulator says
             self.cache = NgramCache(max_depth=depth)
             self.tree = bool(tree)
             self._width = 1

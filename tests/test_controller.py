@@ -152,6 +152,11 @@ def test_unknown_requests_are_rejected():
     ctl.start("x")
     with pytest.raises(ValueError):
         ctl.start("x")
+    cache = NgramCache()
+    cache.start_request("x", [1, 2, 1, 2])
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="waiting"):
+            ctl.plan(["x"], cache.propose(["x"], 3), waiting=bad)
 
 
 def _trace(records):
@@ -184,3 +189,53 @@ def test_adaptive_speeds_up_a_copy_task_like_the_best_static_choice():
                  for k in (2, 4, 8, 16))
     assert ad["speedup"] > 2.0
     assert ad["speedup"] >= 0.9 * static
+
+
+def test_every_draft_is_judged_while_older_ones_are_pending():
+    """Drafts not sent are judged against the tokens that follow, each of them: a new draft every step even
+    while older ones are still undecided (judging one at a time would skip the drafts of a good streak)."""
+    rng = np.random.default_rng(5)
+    passage = rng.integers(100, 5000, 80).tolist()
+    cache = NgramCache(max_depth=8)
+    ctl = AdaptiveController(prior=lambda b, w: 1.0 if w == 1 else 100.0, explore_frac=0.0, explore_min=0)
+    cache.start_request(0, passage + rng.integers(100, 5000, 20).tolist())
+    ctl.start(0)
+    roots_proposed = 0
+    for t in passage[:60]:  # a verbatim copy, decoded one token per step (nothing is sent: verify too dear)
+        batch = cache.propose([0], 15)
+        plan = ctl.plan([0], batch)
+        assert plan.width == 1
+        roots_proposed += int(np.sum(batch.parents == -1))
+        cache.add_tokens(0, [t])
+        ctl.observe_tokens(0, [t])
+        ctl.observe_step(1, 1, 1.0)
+    depth_one = ctl.top_trials.reshape(2, 6, 4, 4)[:, :, 0, :].sum()
+    assert roots_proposed > 50 and depth_one == roots_proposed
+    assert len(ctl.requests[0].pending) > 1  # the copy keeps several drafts alive at once
+
+
+class _QueueBlind:
+    """Hides the queue length from the controller, as a server that does not report it would."""
+
+    waiting = property(lambda self: None, lambda self, value: None)
+
+
+def test_a_draining_batch_is_not_slowed_down_for_one_request():
+    """Eight requests start together, nobody queues; one copies its prompt, seven write text that never
+    repeats. Drafting for the copy costs the seven a wider verify every step and buys no time: the copy does
+    not finish last. Told that nobody waits, the controller judges widths by the requests' geometric-mean
+    speed and does not draft; blind to the queue it maximizes the batch's tokens and drafts."""
+    rng = np.random.default_rng(6)
+    doc = rng.integers(0, 90000, 400).tolist()
+    recs = [{"prompt": doc, "output": doc[:300]}]
+    recs += [{"prompt": rng.integers(0, 90000, 50).tolist(), "output": rng.integers(0, 90000, 500).tolist()}
+             for _ in range(7)]
+    tr = _trace(recs)
+    prof = get_profile("h200-llama8b")
+    base = replay(tr, make_method("none"), 8)
+    told = summarize(replay(tr, make_method("ngramspec-adaptive"), 8, prof), prof, base)
+    blind_method = make_method("ngramspec-adaptive")
+    blind_method.__class__ = type("Blind", (_QueueBlind, type(blind_method)), {})
+    blind = summarize(replay(tr, blind_method, 8, prof), prof, base)
+    assert told["speedup"] >= 0.99
+    assert blind["mean_width"] > 1.0 and blind["speedup"] < told["speedup"]

@@ -17,7 +17,8 @@ the root being the last committed token, and `parents[j] < j`):
 Optional hooks the simulator honours: `warmup()` runs before the replay's clock starts (JIT compilation stays
 out of the proposer's time); `needs_future = True` makes it call `see_future(rid, output)` before
 `start` (upper bounds only); `profile_dependent = True` makes it replay once per profile and call
-`bind_profile(profile)` first.
+`bind_profile(profile)` first. Before every `propose` the simulator sets `method.waiting` to the number of
+requests not yet admitted (what a server's scheduler knows: its queue length).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Method:
     name: str = "method"
     needs_future = False
     profile_dependent = False
+    waiting: int | None = None  # requests queued behind the batch; the simulator sets it before each propose
 
     def warmup(self) -> None:
         """Compile or load whatever the method needs, before the replay's clock starts."""
