@@ -239,3 +239,10 @@ def test_a_draining_batch_is_not_slowed_down_for_one_request():
     blind = summarize(replay(tr, blind_method, 8, prof), prof, base)
     assert told["speedup"] >= 0.99
     assert blind["mean_width"] > 1.0 and blind["speedup"] < told["speedup"]
+
+
+def test_simulator_method_takes_a_width_set():
+    assert make_method("ngramspec-adaptive:widths=1-2-4-17").ctl.widths == [1, 2, 4, 17]
+    assert make_method("ngramspec-adaptive:widths=4-8").ctl.widths == [1, 4, 8]  # plain decoding always there
+    with pytest.raises(ValueError, match="widths"):
+        make_method("ngramspec-adaptive:widths=1-x")
