@@ -136,3 +136,18 @@ def test_bad_input_raises(tiny_model, prompts):
                    torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match="Llama-family"):
         KVModel(torch.nn.Linear(2, 2), batch=1, max_len=16)
+
+
+@pytest.mark.skipif(not controller_available(), reason="needs ngramspec.controller")
+def test_adaptive_policy_takes_a_calibration_prior():
+    from pathlib import Path
+
+    from ngramspec.profiles import TableProfile
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "engine" / "h200_smollm2_sdpa.json"
+    policy = make_policy(f"adaptive:max_width=8,prior={path}")
+    assert policy.max_width == 8
+    assert policy.controller.costs.estimate(4, 6) == pytest.approx(TableProfile.from_json(str(path), "graph_ms").cost_ms(4, 6))
+    for bad in ("adaptive:explore_every=5", "adaptive:max_width=x"):
+        with pytest.raises(ValueError):
+            make_policy(bad)

@@ -1,4 +1,5 @@
-"""Draft policies by name: `plain`, `chain:k=K`, `tree:k=K`, `adaptive[:max_width=16]` (the controller: NGRAM_ADAPTIVE)."""
+"""Draft policies by name: `plain`, `chain:k=K`, `tree:k=K`, `adaptive[:max_width=16,prior=CALIBRATION.json]`
+(the controller: NGRAM_ADAPTIVE)."""
 from __future__ import annotations
 
 import importlib.util
@@ -66,7 +67,15 @@ def make_policy(spec: str):
     if name == "adaptive":
         if not controller_available():
             raise RuntimeError("policy 'adaptive' needs ngramspec.controller, which is not installed yet")
-        if set(params) - {"max_width", "explore_every"}:
-            raise ValueError(f"policy {spec!r}: adaptive takes max_width and explore_every")
-        return AdaptivePolicy(**{key: int(v) for key, v in params.items()})
+        if set(params) - {"max_width", "prior"}:
+            raise ValueError(f"policy {spec!r}: adaptive takes max_width and prior (a calibration JSON file)")
+        kwargs = {}
+        if "max_width" in params:
+            try:
+                kwargs["max_width"] = int(params["max_width"])
+            except ValueError:
+                raise ValueError(f"policy {spec!r}: max_width must be an integer") from None
+        if "prior" in params:  # c(B, n) measured by `ngramspec calibrate`, used until measured online
+            kwargs["prior"] = params["prior"]
+        return AdaptivePolicy(**kwargs)
     raise ValueError(f"unknown policy {spec!r}: plain, chain:k=K, tree:k=K or adaptive")
