@@ -241,7 +241,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._harvest_timings()
         use_prev_tokens = self.enable_overlap and not batch.grammar_needs_sync()
         # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
-        plan = self.planner.plan(request_views(batch, use_prev_tokens), waiting=getattr(self, "waiting_requests", None))
+        plan = self.planner.plan(request_views(batch, use_prev_tokens), waiting=self.waiting_requests)
         width = plan.width
         self._activate_width(width)
         with get_spec().override(speculative_num_draft_tokens=width):
