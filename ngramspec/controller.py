@@ -60,6 +60,8 @@ _DBINS = np.array([2, 4, 8], np.int64)  # depth: 1 | 2-3 | 4-7 | 8+
 _KBINS = np.array([2, 3, 5], np.int64)  # drafted siblings (itself included): 1 | 2 | 3-4 | 5+
 _RBINS = 6  # request's recent success: unknown | 5 quantized levels
 _SHAPE = (2, 4, 6, 4, 4, _RBINS)  # source, match, conditional, depth, siblings, request
+_MID_PER_SOURCE = 4 * 6 * 4 * 4  # (match, conditional, depth, siblings) cells of one source
+_TOP_PER_SOURCE = 6 * 4 * 4  # (conditional, depth, siblings) cells of one source
 
 
 def default_prior(batch: int, width: int) -> float:
@@ -179,7 +181,7 @@ def _mid(cell):
 def _top(cell):
     """(source, conditional, depth, siblings) cell of a fine cell."""
     mid = cell // _RBINS
-    return (mid // 384) * 96 + mid % 96
+    return (mid // _MID_PER_SOURCE) * _TOP_PER_SOURCE + mid % _TOP_PER_SOURCE
 
 
 @njit(cache=True)
@@ -187,9 +189,8 @@ def _expected_tokens(parents, offsets, cells, succ, trials, mid_succ, mid_trials
                      prior_mean, strength, widths):
     """Calibrated P(accepted) per node and, per request and width, the expected accepted nodes (no bonus).
 
-    A node's conditional acceptance is its fine cell's Beta mean, shrunk towards its (source, match,
-    conditional, depth) cell, shrunk towards its (conditional, depth) cell, shrunk towards the fixed prior;
-    P is the product along the path."""
+    A node's conditional acceptance is its fine cell's Beta mean, shrunk towards its ``_mid`` cell, shrunk
+    towards its ``_top`` cell, shrunk towards the fixed prior; P is the product along the path."""
     n = parents.shape[0]
     P = np.empty(n, np.float64)
     B = offsets.shape[0] - 1
@@ -296,10 +297,12 @@ class AdaptiveController:
         self.trials = np.zeros_like(self.succ)
         self.mid_succ = np.zeros(int(np.prod(_SHAPE[:5])), np.float64)  # (source, match, conditional, depth, siblings)
         self.mid_trials = np.zeros_like(self.mid_succ)
-        self.top_succ = np.zeros(2 * 6 * 4 * 4, np.float64)  # (source, conditional, depth, siblings)
+        self.top_succ = np.zeros(2 * _TOP_PER_SOURCE, np.float64)  # (source, conditional, depth, siblings)
         self.top_trials = np.zeros_like(self.top_succ)
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
-        self.prior_mean = np.tile(np.repeat((q_mid[:, None] * self.prior_scale[None, :]).reshape(-1), 4), 2)
+        # per top cell (source, conditional, depth, siblings): prior_scale[depth] x the conditional's midpoint
+        self.prior_mean = np.broadcast_to(q_mid[None, :, None, None] * self.prior_scale[None, None, :, None],
+                                          (2, 6, 4, 4)).reshape(-1).copy()
         self.requests: dict[Hashable, _Request] = {}
         self.trace: deque = deque(maxlen=int(trace_len))
         self._n_steps = 0
@@ -342,13 +345,6 @@ class AdaptiveController:
                                 self.prior_strength, self._widths)
         return P, cells
 
-    def expected_tokens(self, rids: Sequence[Hashable], batch: DraftBatch) -> np.ndarray:
-        """Per width of ``self.widths``, the batch's expected tokens this step (bonus included)."""
-        cells = self._cells(rids, batch)
-        _, G = _expected_tokens(batch.parents, batch.offsets, cells, *self._tables(), self.prior_mean,
-                                self.prior_strength, self._widths)
-        return 1.0 + G.sum(axis=0)
-
     def plan(self, rids: Sequence[Hashable], batch: DraftBatch, waiting: int | None = None) -> Plan:
         """Pick the width and per-request prefixes for this step; records the drafts for calibration.
 
@@ -365,7 +361,8 @@ class AdaptiveController:
         _, G = _expected_tokens(batch.parents, batch.offsets, cells, *self._tables(), self.prior_mean,
                                 self.prior_strength, self._widths)
         expected = B + G.sum(axis=0)
-        if waiting == 0 and B > 1:  # nobody waiting: judge each width by its mean log rate per request
+        draining = waiting == 0 and B > 1  # nobody waiting: judge each width by its mean log rate per request
+        if draining:
             log_tokens = np.log1p(G).sum(axis=0)
         lens = np.diff(batch.offsets)
         for i, rid in enumerate(rids):  # shadow-evaluate every draft, sent or not (see observe_tokens)
@@ -379,7 +376,7 @@ class AdaptiveController:
             if w > 1 and not any_draft:
                 break
             cost = self.costs.estimate(B, w)
-            if waiting == 0 and B > 1:  # geometric mean of the requests' rates, as a batch rate
+            if draining:  # geometric mean of the requests' rates, as a batch rate
                 values.append((B * math.exp(log_tokens[wi] / B) / cost, w, tokens, cost))
             else:
                 values.append((tokens / cost, w, tokens, cost))
