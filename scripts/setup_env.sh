@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Create the virtualenvs on a fresh machine (idempotent). Usage: scripts/setup_env.sh core|sglang
 #   core   -> .venv: ngramspec + simulator + CPU torch 2.13 + transformers/gguf/accelerate + SmolLM2 GGUF package
-#   sglang -> .venv-sglang: ngramspec + its SGLang plugin + sglang 0.5.23 (~10 min, ~11 GB) + Arctic Inference (built from source)
+#   sglang -> .venv-sglang: ngramspec + its SGLang plugin + sglang 0.5.23 + Arctic Inference (built from source);
+#             full flavour ~10 min and ~11 GB, cpu flavour ~3 min and ~3.5 GB (see below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+# Run a pip command; drop its report that sglang's GPU-only requirements are missing (expected in the cpu flavour).
+# pip's own exit status is kept (pipefail).
+without_known_conflicts() {
+  "$@" 2>&1 | { grep -v -e "^sglang 0.5.23 requires" -e "^sglang 0.5.23 has requirement" \
+                        -e "^ERROR: pip's dependency resolver does not currently" -e "^This behaviour is the source" || true; }
+}
 case "${1:-core}" in
   core)
     [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -12,9 +20,47 @@ case "${1:-core}" in
     .venv/bin/pip install -q -e ".[test,sim,engine,model]"
     ;;
   sglang)
+    # Two flavours of the same sglang 0.5.23 code (NGRAMSPEC_SGLANG_ENV=full|cpu|auto, default auto):
+    #   full: `pip install sglang==0.5.23` with every dependency (CUDA torch 2.14.1, GPU kernels), ~11 GB.
+    #   cpu:  sglang --no-deps + its requirements less the GPU-only packages (scripts/sglang_cpu_requirements.py),
+    #         on the CPU torch 2.13 wheel, ~3.5 GB. Tests that import sglang's server modules skip there (they
+    #         import torchvision, which has no CPU build for torch 2.13 on this machine), with that as the reason.
+    # auto takes full where 14 GiB are free, cpu where 5 GiB are, else exits 3 (test.sh reports the skip).
+    flavor=${NGRAMSPEC_SGLANG_ENV:-auto}
+    if [ -f .venv-sglang/FLAVOR ]; then
+      flavor=$(cat .venv-sglang/FLAVOR)  # already built: keep it (idempotent)
+    elif [ -x .venv-sglang/bin/python ] && .venv-sglang/bin/python -c "import sglang" 2>/dev/null; then
+      flavor=$(.venv-sglang/bin/python -c "import torch; print('cpu' if '+cpu' in torch.__version__ else 'full')")
+    elif [ "$flavor" = auto ]; then
+      free_gib=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+      if [ "$free_gib" -ge 14 ]; then flavor=full
+      elif [ "$free_gib" -ge 5 ]; then flavor=cpu
+      else
+        echo "cannot build the sglang environment: it needs at least 5 GiB of free disk, ${free_gib} GiB are free" >&2
+        exit 3
+      fi
+    fi
+    echo "sglang environment: ${flavor} flavour"
+    export PIP_NO_CACHE_DIR=1  # no second copy of what we build or unpack
     [ -x .venv-sglang/bin/python ] || "$PY" -m venv .venv-sglang
-    .venv-sglang/bin/pip install -q -e ".[sglang,test,sim]" "sglang==0.5.23"  # the version the plugin is tested against
-    .venv-sglang/bin/pip install -q "arctic-inference==0.3.0"
+    case "$flavor" in
+      full)
+        .venv-sglang/bin/pip install -q -e ".[sglang,test,sim]" "sglang==0.5.23"  # the version the plugin is tested against
+        .venv-sglang/bin/pip install -q "arctic-inference==0.3.0"
+        ;;
+      cpu)
+        held=$(mktemp) && echo "torch==2.13.0" > "$held"
+        .venv-sglang/bin/pip install -q "torch==2.13.0" "triton==3.8.0" packaging
+        .venv-sglang/bin/pip install -q --no-deps "sglang==0.5.23"
+        .venv-sglang/bin/python scripts/sglang_cpu_requirements.py > "$held.reqs"
+        without_known_conflicts .venv-sglang/bin/pip install -q -r "$held.reqs" -c "$held"
+        without_known_conflicts .venv-sglang/bin/pip install -q -e ".[test,sim]" "arctic-inference==0.3.0" -c "$held"
+        .venv-sglang/bin/python -c "import sglang, arctic_inference, ngramspec, pytest"  # fail here, not in pytest
+        rm -f "$held" "$held.reqs"
+        ;;
+      *) echo "NGRAMSPEC_SGLANG_ENV must be full, cpu or auto, not ${flavor}" >&2; exit 2 ;;
+    esac
+    echo "$flavor" > .venv-sglang/FLAVOR
     ;;
   *) echo "usage: $0 core|sglang" >&2; exit 2 ;;
 esac

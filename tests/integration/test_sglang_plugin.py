@@ -39,6 +39,7 @@ needs_install = pytest.mark.skipif(
 )
 
 
+@pytest.mark.sglang_server
 @needs_install
 def test_entry_point_is_discovered_by_sglang_load_plugins():
     proc = run_python("""
@@ -101,6 +102,7 @@ def resolve(plugin, model_dir, *extra):
     return args
 
 
+@pytest.mark.sglang_server
 def test_command_line_resolves_our_defaults(plugin, model_dir):
     from sglang.srt.arg_groups.overrides import resolved_view
 
@@ -115,6 +117,7 @@ def test_command_line_resolves_our_defaults(plugin, model_dir):
     assert view.speculative_adaptive is False  # EAGLE's knob stays off; we always adapt
 
 
+@pytest.mark.sglang_server
 def test_command_line_knobs_reach_our_config(plugin, model_dir, tmp_path):
     from sglang.srt.arg_groups.overrides import resolved_view
     from ngramspec_sglang.config import resolve_config
@@ -140,6 +143,7 @@ def published(plugin, model_dir):
     get_context().set_server_args(resolve(plugin, model_dir, "--speculative-num-draft-tokens", "12"))
 
 
+@pytest.mark.sglang_server
 def test_published_spec_bag_carries_the_largest_width(published):
     from sglang.srt.runtime_context import get_spec
     from ngramspec_sglang.config import resolve_config
@@ -156,6 +160,7 @@ def test_published_spec_bag_carries_the_largest_width(published):
     (["--page-size", "16", "--attention-backend", "triton"], "flashinfer"),
     (["--speculative-num-draft-tokens", "8", "--speculative-adaptive-config", "{missing}"], "no such file"),
 ])
+@pytest.mark.sglang_server
 def test_unsupported_command_lines_fail_with_a_reason(plugin, model_dir, tmp_path, extra, message):
     extra = [e.replace("{missing}", str(tmp_path / "nope.json")) for e in extra]
     with pytest.raises(ValueError, match=message):
@@ -176,6 +181,7 @@ def test_algorithm_answers_every_enum_predicate_like_ngram(plugin):
     assert plugin.has_draft_kv() is False and plugin.is_speculative() and not plugin.is_none()
 
 
+@pytest.mark.sglang_server
 def test_factory_returns_our_worker_or_fails_only_for_lack_of_a_gpu(plugin, model_dir):
     args = resolve(plugin, model_dir)
     try:
@@ -188,6 +194,7 @@ def test_factory_returns_our_worker_or_fails_only_for_lack_of_a_gpu(plugin, mode
     assert worker_cls.__name__ == "NgramAdaptiveWorker" and issubclass(worker_cls, NGRAMWorker)
 
 
+@pytest.mark.sglang_server
 def test_decode_report_runs_with_the_mean_width(published):
     """SGLang's rate formula, evaluated inside our hook, gives correct drafts / drafted tokens."""
     from types import SimpleNamespace

@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("sglang")
 torch = pytest.importorskip("torch")
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.sglang_server]
 MAX_WIDTH = 16
 
 

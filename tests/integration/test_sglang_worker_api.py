@@ -109,6 +109,7 @@ def test_ngram_worker_allocates_through_the_hook_we_override():
     assert "self.max_batch_size" in source and "self._init_preallocated_tensors()" in source
 
 
+@pytest.mark.sglang_server
 def test_result_and_verify_input_fields():
     import inspect
 
