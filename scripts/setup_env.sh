@@ -25,7 +25,7 @@ case "${1:-core}" in
     #   cpu:  sglang --no-deps + its requirements less the GPU-only packages (scripts/sglang_cpu_requirements.py),
     #         on the CPU torch 2.13 wheel, ~3.5 GB. Tests that import sglang's server modules skip there (they
     #         import torchvision, which has no CPU build for torch 2.13 on this machine), with that as the reason.
-    # auto takes full where 14 GiB are free, cpu where 5 GiB are, else exits 3 (test.sh reports the skip).
+    # auto takes full where 16 GiB are free, cpu where 5 GiB are, else exits 3 (test.sh reports the skip).
     flavor=${NGRAMSPEC_SGLANG_ENV:-auto}
     if [ -f .venv-sglang/FLAVOR ]; then
       flavor=$(cat .venv-sglang/FLAVOR)  # already built: keep it (idempotent)
@@ -33,7 +33,7 @@ case "${1:-core}" in
       flavor=$(.venv-sglang/bin/python -c "import torch; print('cpu' if '+cpu' in torch.__version__ else 'full')")
     elif [ "$flavor" = auto ]; then
       free_gib=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
-      if [ "$free_gib" -ge 14 ]; then flavor=full
+      if [ "$free_gib" -ge 16 ]; then flavor=full
       elif [ "$free_gib" -ge 5 ]; then flavor=cpu
       else
         echo "cannot build the sglang environment: it needs at least 5 GiB of free disk, ${free_gib} GiB are free" >&2
