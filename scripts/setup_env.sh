@@ -13,6 +13,34 @@ without_known_conflicts() {
   "$@" 2>&1 | { grep -v -e "^sglang 0.5.23 requires" -e "^sglang 0.5.23 has requirement" \
                         -e "^ERROR: pip's dependency resolver does not currently" -e "^This behaviour is the source" || true; }
 }
+free_gib() { df -Pk . | awk 'NR==2 {print int($4 / 1048576)}'; }
+need_gib() {  # exit 3 (test.sh reports the skip) unless $1 GiB are free
+  if [ "$(free_gib)" -lt "$1" ]; then
+    echo "cannot build the sglang environment: it needs at least $1 GiB of free disk, $(free_gib) GiB are free" >&2
+    exit 3
+  fi
+}
+
+# full: sglang with every dependency. Returns pip's failure instead of exiting (called from an `if`).
+install_full() {
+  .venv-sglang/bin/pip install -q -e ".[sglang,test,sim]" "sglang==0.5.23" &&  # the version the plugin is tested against
+    .venv-sglang/bin/pip install -q "arctic-inference==0.3.0"
+}
+
+# cpu: sglang --no-deps, its requirements less the GPU-only packages, with torch held at the CPU wheel.
+install_cpu() {
+  local held
+  held=$(mktemp)
+  echo "torch==2.13.0" > "$held"
+  .venv-sglang/bin/pip install -q "torch==2.13.0" "triton==3.8.0" packaging
+  .venv-sglang/bin/pip install -q --no-deps "sglang==0.5.23"
+  .venv-sglang/bin/python scripts/sglang_cpu_requirements.py > "$held.reqs"
+  without_known_conflicts .venv-sglang/bin/pip install -q -r "$held.reqs" -c "$held"
+  without_known_conflicts .venv-sglang/bin/pip install -q -e ".[test,sim]" "arctic-inference==0.3.0" -c "$held"
+  .venv-sglang/bin/python -c "import sglang, arctic_inference, ngramspec, pytest"  # fail here, not in pytest
+  rm -f "$held" "$held.reqs"
+}
+
 case "${1:-core}" in
   core)
     [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -25,42 +53,35 @@ case "${1:-core}" in
     #   cpu:  sglang --no-deps + its requirements less the GPU-only packages (scripts/sglang_cpu_requirements.py),
     #         on the CPU torch 2.13 wheel, ~3.5 GB. Tests that import sglang's server modules skip there (they
     #         import torchvision, which has no CPU build for torch 2.13 on this machine), with that as the reason.
-    # auto takes full where 16 GiB are free, cpu where 5 GiB are, else exits 3 (test.sh reports the skip).
+    # auto takes full where 16 GiB are free (falling back to cpu if that install fails), cpu where 5 GiB are,
+    # else exits 3 (test.sh reports the skip).
     flavor=${NGRAMSPEC_SGLANG_ENV:-auto}
     if [ -f .venv-sglang/FLAVOR ]; then
       flavor=$(cat .venv-sglang/FLAVOR)  # already built: keep it (idempotent)
     elif [ -x .venv-sglang/bin/python ] && .venv-sglang/bin/python -c "import sglang" 2>/dev/null; then
       flavor=$(.venv-sglang/bin/python -c "import torch; print('cpu' if '+cpu' in torch.__version__ else 'full')")
     elif [ "$flavor" = auto ]; then
-      free_gib=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
-      if [ "$free_gib" -ge 16 ]; then flavor=full
-      elif [ "$free_gib" -ge 5 ]; then flavor=cpu
-      else
-        echo "cannot build the sglang environment: it needs at least 5 GiB of free disk, ${free_gib} GiB are free" >&2
-        exit 3
-      fi
+      if [ "$(free_gib)" -ge 16 ]; then flavor=auto-full; else need_gib 5; flavor=cpu; fi
     fi
-    echo "sglang environment: ${flavor} flavour"
+    echo "sglang environment: ${flavor#auto-} flavour"
     export PIP_NO_CACHE_DIR=1  # no second copy of what we build or unpack
     [ -x .venv-sglang/bin/python ] || "$PY" -m venv .venv-sglang
     case "$flavor" in
-      full)
-        .venv-sglang/bin/pip install -q -e ".[sglang,test,sim]" "sglang==0.5.23"  # the version the plugin is tested against
-        .venv-sglang/bin/pip install -q "arctic-inference==0.3.0"
+      full) install_full ;;
+      auto-full)
+        if ! install_full; then  # e.g. the disk filled up meanwhile: the cpu flavour needs a third of it
+          echo "installing the full sglang environment failed (above); falling back to the cpu flavour" >&2
+          rm -rf .venv-sglang
+          need_gib 5
+          "$PY" -m venv .venv-sglang
+          flavor=cpu
+          install_cpu
+        fi
         ;;
-      cpu)
-        held=$(mktemp) && echo "torch==2.13.0" > "$held"
-        .venv-sglang/bin/pip install -q "torch==2.13.0" "triton==3.8.0" packaging
-        .venv-sglang/bin/pip install -q --no-deps "sglang==0.5.23"
-        .venv-sglang/bin/python scripts/sglang_cpu_requirements.py > "$held.reqs"
-        without_known_conflicts .venv-sglang/bin/pip install -q -r "$held.reqs" -c "$held"
-        without_known_conflicts .venv-sglang/bin/pip install -q -e ".[test,sim]" "arctic-inference==0.3.0" -c "$held"
-        .venv-sglang/bin/python -c "import sglang, arctic_inference, ngramspec, pytest"  # fail here, not in pytest
-        rm -f "$held" "$held.reqs"
-        ;;
+      cpu) install_cpu ;;
       *) echo "NGRAMSPEC_SGLANG_ENV must be full, cpu or auto, not ${flavor}" >&2; exit 2 ;;
     esac
-    echo "$flavor" > .venv-sglang/FLAVOR
+    echo "${flavor#auto-}" > .venv-sglang/FLAVOR
     ;;
   *) echo "usage: $0 core|sglang" >&2; exit 2 ;;
 esac
