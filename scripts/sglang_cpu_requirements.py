@@ -11,10 +11,12 @@ from importlib.metadata import requires
 
 from packaging.requirements import Requirement
 
-GPU_ONLY = {
-    "torch", "torchaudio", "torchvision", "torchcodec", "timm", "torch-memory-saver",
-    "cuda-python", "flash-attn-4", "flashinfer-python", "humming-kernels", "nvidia-cutlass-dsl", "nvidia-mathdx",
-    "nvshmem4py-cu13", "quack-kernels", "sgl-deep-ep", "sgl-deep-gemm", "sgl-flash-mla", "sglang-kernel", "tilelang",
+GPU_ONLY = {  # distribution -> its top-level module (tests/integration/conftest.py skips on these only)
+    "torch": "torch", "torchaudio": "torchaudio", "torchvision": "torchvision", "torchcodec": "torchcodec",
+    "timm": "timm", "torch-memory-saver": "torch_memory_saver", "cuda-python": "cuda", "flash-attn-4": "flash_attn",
+    "flashinfer-python": "flashinfer", "humming-kernels": "humming", "nvidia-cutlass-dsl": "cutlass",
+    "nvidia-mathdx": "nvidia", "nvshmem4py-cu13": "nvshmem", "quack-kernels": "quack", "sgl-deep-ep": "deep_ep",
+    "sgl-deep-gemm": "deep_gemm", "sgl-flash-mla": "flash_mla", "sglang-kernel": "sgl_kernel", "tilelang": "tilelang",
 }
 
 

@@ -10,13 +10,18 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]
 if importlib.util.find_spec("ngramspec_sglang") is None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
+    sys.path.insert(0, str(ROOT / "integration"))
 
-# Top-level modules of the packages scripts/sglang_cpu_requirements.py leaves out.
-LEFT_OUT_IN_CPU_FLAVOUR = {"torchvision", "torchaudio", "torchcodec", "timm", "torch_memory_saver", "cuda",
-                           "flash_attn", "flashinfer", "humming", "cutlass", "nvshmem", "quack", "deep_ep",
-                           "deep_gemm", "flash_mla", "sgl_kernel", "tilelang"}
+
+def left_out_in_cpu_flavour() -> set:
+    """Top-level modules of the packages scripts/sglang_cpu_requirements.py leaves out (its GPU_ONLY)."""
+    spec = importlib.util.spec_from_file_location("sglang_cpu_requirements",
+                                                  ROOT / "scripts" / "sglang_cpu_requirements.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return set(module.GPU_ONLY.values())
 
 
 @functools.cache
@@ -26,7 +31,7 @@ def missing_gpu_only_module() -> str | None:
         return None
     proc = subprocess.run([sys.executable, "-c", "import sglang.srt.configs"], capture_output=True, text=True)
     found = re.search(r"No module named '([\w.]+)'", proc.stderr) if proc.returncode else None
-    if found and found.group(1).split(".")[0] in LEFT_OUT_IN_CPU_FLAVOUR:
+    if found and found.group(1).split(".")[0] in left_out_in_cpu_flavour():
         return found.group(1)
     return None
 
