@@ -14,26 +14,31 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from .drafting import RequestView
 
 
-def full_verify_mask(tree_mask: torch.Tensor, seq_lens_cpu) -> torch.Tensor:
+def full_verify_mask(tree_mask: torch.Tensor, seq_lens, seq_lens_sum: int | None = None) -> torch.Tensor:
     """NGRAM's flat verify mask: per request `[width, seq_len + width]` rows (all prefix tokens visible, then
     the tree mask), concatenated; what `NgramVerifyInput.generate_attn_arg_prefill` indexes. One scatter on
-    the mask's device instead of NGRAMWorker's per-request concatenation."""
+    the mask's device instead of NGRAMWorker's per-request concatenation.
+
+    ``seq_lens`` may live on the mask's device (no host round trip: pass ``seq_lens_sum``, the host-known sum,
+    to size the output without a sync) or on the host."""
     if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2]:
         raise ValueError(f"tree_mask must be [bs, width, width], got shape {tuple(tree_mask.shape)}")
     bs, width = tree_mask.shape[0], tree_mask.shape[1]
-    seq = torch.as_tensor(seq_lens_cpu, dtype=torch.int64).reshape(-1)
+    device = tree_mask.device
+    seq = torch.as_tensor(seq_lens).reshape(-1)
     if seq.numel() != bs:
         raise ValueError(f"{bs} trees but {seq.numel()} sequence lengths")
+    if seq_lens_sum is None:
+        seq_lens_sum = int(seq.sum())
+    seq = seq.to(device=device, dtype=torch.int64, non_blocking=True)
     row_len = seq + width
-    starts = torch.zeros(bs, dtype=torch.int64)
-    starts[1:] = torch.cumsum(row_len * width, 0)[:-1]
-    total = int((row_len * width).sum())
-    device = tree_mask.device
-    rows = torch.arange(width, dtype=torch.int64)
+    starts = torch.cumsum(row_len * width, 0) - row_len * width
+    total = int(seq_lens_sum) * width + width * width * bs
+    rows = torch.arange(width, dtype=torch.int64, device=device)
     index = (starts[:, None, None] + rows[None, :, None] * row_len[:, None, None] + seq[:, None, None]
              + rows[None, None, :])
     out = torch.ones(total, dtype=torch.bool, device=device)
-    out[index.reshape(-1).to(device)] = tree_mask.to(torch.bool).reshape(-1)
+    out[index.reshape(-1)] = tree_mask.to(torch.bool).reshape(-1)
     return out
 
 
@@ -61,8 +66,21 @@ def next_draft_input(accept_tokens_flat, accept_lens, new_seq_lens, stride: int)
     )
 
 
+def relayed_last_tokens(spec_info, batch_size: int) -> torch.Tensor | None:
+    """Each request's last committed token, read on the device from the relayed accepted tokens (no host wait);
+    None if the batch carries no relay."""
+    tokens = getattr(spec_info, "accept_tokens", None)
+    lens = getattr(spec_info, "accept_lens", None)
+    if tokens is None or lens is None or batch_size == 0 or tokens.numel() % batch_size:
+        return None
+    stride = tokens.numel() // batch_size
+    last = (lens.to(torch.int64) - 1).clamp_(min=0).view(batch_size, 1)
+    return tokens.view(batch_size, stride).gather(1, last).view(batch_size).to(torch.int64)
+
+
 def request_views(batch, use_prev_tokens: bool) -> list[RequestView]:
-    """One view per request of a decode batch; under overlap the relayed tokens are still pending."""
+    """One view per request of a decode batch. Under overlap the previous step's tokens are still on the device:
+    ``use_prev_tokens`` waits for them and adds them as pending; without it the views end one step behind."""
     bs = len(batch.reqs)
     pending = [()] * bs
     if use_prev_tokens:

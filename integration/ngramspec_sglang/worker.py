@@ -10,14 +10,17 @@ and retrieve arrays on device.
 What it changes: drafts come from `ngramspec.NgramCache` via `DraftPlanner`; each step verifies at
 the width the controller picked, using a target attention backend and a `TARGET_VERIFY` CUDA graph
 runner captured for that width (built at start-up like `EAGLEWorkerV2.build_adaptive_runtime_state`,
-swapped by assignment). Width 1 verifies the root only, i.e. a plain decode step (as EAGLE's
-steps=0 state). Output rows (`accept_tokens`, the overlap `FutureMap`, `prev_token_ids`) keep the
+swapped by assignment). Width 1 runs SGLang's plain decode path: a DECODE forward through a decode-mode
+CUDA graph captured at start-up (as a server without speculation captures it) and the normal sampler, no
+tree mask, no verify kernels. Output rows (`accept_tokens`, the overlap `FutureMap`, `prev_token_ids`) keep the
 stride of the largest width; `speculative_num_draft_tokens` on the result is the active width.
 """
 from __future__ import annotations
 
+import json
 import logging
-from collections import deque
+import os
+import time
 from typing import Optional
 
 import numpy as np
@@ -31,11 +34,19 @@ from sglang.srt.managers.scheduler import GenerationBatchResult
 from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.observability.req_time_stats import set_time_batch
-from sglang.srt.runtime_context import get_device, get_observability, get_parallel, get_schedule, get_spec
+from sglang.srt.runtime_context import (
+    get_device,
+    get_exec,
+    get_observability,
+    get_parallel,
+    get_schedule,
+    get_spec,
+)
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.eagle_utils import eagle_sample
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import (
     GrammarTree,
     build_grammar_vocab_mask,
@@ -46,9 +57,11 @@ from sglang.srt.speculative.spec_utils import (
 )
 from sglang.srt.utils import is_cpu
 
+from .algorithm import set_cpu_seq_lens_need
 from .config import resolve_config
-from .drafting import DraftPlanner
-from .relay import full_verify_mask, next_draft_input, padded_rows, request_views
+from .drafting import DraftPlanner, RequestView
+from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens, request_views
+from .timing import StepTimer
 
 logger = logging.getLogger(__name__)
 _is_cpu = is_cpu()
@@ -81,15 +94,24 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self.planner = self._new_planner()
         self.waiting_requests: int | None = None  # set by the Scheduler.run_batch hook (hooks.py)
         self._width_states: dict[int, tuple] = {}
-        self._timings: deque = deque()
+        self._decode_state: tuple | None = None  # (attention backend, DECODE-mode graph runner) for width 1
+        self._timer = StepTimer.for_device(
+            lambda w, b, s: self.planner.record_duration(w, b, s),
+            None if _is_cpu else torch.get_device_module(self.device),
+        )
+        self._drafted_last = False  # the last decode step drafted: the next one waits for its tokens
+        self._profile = _HostProfile.from_env(self._tp_group.rank_in_group)
+        set_cpu_seq_lens_need(self._backends_need_cpu_seq_lens)
         self._gauges = None
         if get_observability().enable_metrics and self._tp_group.rank_in_group == 0:
             from .metrics import NgramspecGauges
 
             self._gauges = NgramspecGauges()
-        logger.info("NGRAM_ADAPTIVE: widths %s, tree=%s, max_depth=%d, controller=%s",
+        t0 = time.perf_counter()
+        _warm_up(self.config)  # compile every numba kernel now, not inside the first request
+        logger.info("NGRAM_ADAPTIVE: widths %s, tree=%s, max_depth=%d, controller=%s (kernels ready in %.1f s)",
                     self.config.widths, self.config.tree, self.config.max_depth,
-                    type(self.planner.controller).__name__)
+                    type(self.planner.controller).__name__, time.perf_counter() - t0)
 
     def _new_planner(self) -> DraftPlanner:
         tp = self._tp_group
@@ -120,12 +142,15 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self.retrieve_next_token = torch.empty(bs * w, **long)
         self.retrieve_next_sibling = torch.empty(bs * w, **long)
         self.tree_mask = torch.empty(bs * w * w, dtype=torch.bool, device=self.device)
+        self._plain_ok = not _is_cpu and not hasattr(self.req_to_token_pool, "mamba_pool")
 
     def init_cuda_graphs(self):
-        """Capture one TARGET_VERIFY graph (and attention backend) per candidate width.
+        """Capture one TARGET_VERIFY graph (and attention backend) per candidate width, and a DECODE graph.
 
         The target worker already captured the largest width (SGLang's startup
-        `speculative_num_draft_tokens`); the other widths are built here under a scoped override.
+        `speculative_num_draft_tokens`); the other widths are built here under a scoped override. Width 1 gets
+        what a server without speculation captures: an attention backend and a decode-mode graph runner (built
+        while the model runner reports no speculative algorithm, which is what selects the DECODE capture).
         """
         super().init_cuda_graphs()
         runner = self.model_runner
@@ -134,11 +159,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         for width in self.config.widths[:-1]:
             steps = max(1, width // max(1, self.topk))  # as resolved for the largest width
             with get_spec().override(speculative_num_draft_tokens=width, speculative_num_steps=steps):
-                saved = runner.init_new_workspace
-                try:
-                    backend = runner._get_attention_backend(init_new_workspace=True)
-                finally:
-                    runner.init_new_workspace = saved
+                backend = self._new_attention_backend()
                 graph_runner = None
                 if graphs_enabled:
                     graph_runner = runner._decode_cuda_graph_runner_cls()(
@@ -149,9 +170,52 @@ class NgramAdaptiveWorker(NGRAMWorker):
                     )
             self._width_states[width] = (backend, graph_runner)
             logger.info("NGRAM_ADAPTIVE: verify state for width %d ready (cuda graph: %s)", width, graphs_enabled)
+        if self._plain_ok:
+            try:
+                self._decode_state = self._build_decode_state(graphs_enabled)
+                logger.info("NGRAM_ADAPTIVE: plain decode state for width 1 ready (cuda graph: %s)", graphs_enabled)
+            except Exception:  # the server still runs: width 1 then verifies the root alone
+                logger.exception("NGRAM_ADAPTIVE: no plain decode state; width 1 runs as a 1-token verify")
+                self._decode_state = None
 
-    def _activate_width(self, width: int) -> None:
-        backend, graph_runner = self._width_states[width]
+    def _backends_need_cpu_seq_lens(self) -> bool:
+        backends = [self.model_runner.attn_backend] + [state[0] for state in self._width_states.values()]
+        if self._decode_state is not None:
+            backends.append(self._decode_state[0])
+        return any(getattr(b, "needs_cpu_seq_lens", True) for b in backends if b is not None)
+
+    @property
+    def spec_v2_attn_backends(self) -> tuple:
+        return tuple(state[0] for state in self._width_states.values()) or (self.model_runner.attn_backend,)
+
+    def _new_attention_backend(self):
+        runner = self.model_runner
+        saved = runner.init_new_workspace
+        try:
+            return runner._get_attention_backend(init_new_workspace=True)
+        finally:
+            runner.init_new_workspace = saved
+
+    def _build_decode_state(self, graphs_enabled: bool) -> tuple:
+        runner = self.model_runner
+        saved_algorithm = runner.spec_algorithm
+        runner.spec_algorithm = SpeculativeAlgorithm.NONE
+        try:
+            with get_spec().override(speculative_num_draft_tokens=1, speculative_num_steps=0):
+                backend = self._new_attention_backend()
+                graph_runner = None
+                if graphs_enabled:
+                    graph_runner = runner._decode_cuda_graph_runner_cls()(
+                        runner, attn_backend=backend, speculative_num_steps=0, speculative_num_draft_tokens=1,
+                    )
+        finally:
+            runner.spec_algorithm = saved_algorithm
+        if graph_runner is not None and graph_runner.capture_forward_mode != ForwardMode.DECODE:
+            raise RuntimeError(f"decode graph captured in {graph_runner.capture_forward_mode}, not DECODE")
+        return backend, graph_runner
+
+    def _activate(self, state: tuple, width: int) -> None:
+        backend, graph_runner = state
         self.model_runner.attn_backend = backend
         self.model_runner.decode_cuda_graph_runner = graph_runner
         self.speculative_num_draft_tokens = width
@@ -160,6 +224,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
     def clear_cache_pool(self):
         self.planner = self._new_planner()
         self._prev_decode_rids = set()
+        self._timer.interrupt()
+        self._drafted_last = False
 
     def add_external_corpus(self, corpus_id, token_chunks):
         raise NotImplementedError("NGRAM_ADAPTIVE has no external corpus; use --speculative-algorithm NGRAM")
@@ -178,12 +244,111 @@ class NgramAdaptiveWorker(NGRAMWorker):
         return None
 
     # ------------------------------------------------------------------------------ stepping
-    def _harvest_timings(self) -> None:
-        while self._timings and self._timings[0][3].query():
-            width, bs, start, end = self._timings.popleft()
-            self.planner.record_duration(width, bs, start.elapsed_time(end) / 1000.0)
+    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None):
+        """One decode step. Under the overlap schedule the previous step's tokens are still on the device when
+        this runs. Waiting for them idles the GPU, so a step first plans on what the host already has (the
+        requests' tokens up to the step before): if that plan drafts nothing, the step runs as a plain decode
+        of the relayed last tokens, without waiting, exactly as SGLang's own decode overlaps. Only a step that
+        drafts (or follows one: its accepted tokens are needed to draft on) waits, and plans on exact tokens."""
+        if not batch.forward_mode.is_decode():
+            self._timer.interrupt()
+            return self._forward_extend(batch, on_publish, pp_proxy_tensors)
+        t0 = time.perf_counter()
+        fwd_stream = torch.get_device_module(self.device).current_stream()
+        record_stream_for_v2_verify(batch, None, fwd_stream)
+        set_time_batch(batch.reqs, "set_spec_draft_start_time", trace_only=True)
+        bs = len(batch.reqs)
+        current_rids = {req.rid for req in batch.reqs}
+        self.planner.release(self._prev_decode_rids - current_rids)
+        self._prev_decode_rids = current_rids
+        self._timer.harvest()
+        relayed = self.enable_overlap and not batch.grammar_needs_sync()  # previous tokens still on the device
+        plain_fits = self._decode_state is not None and self._plain_decode_fits(batch)
+        lagging = relayed and plain_fits and not self._drafted_last
+        waited = 0.0
+        # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
+        views = request_views(batch, relayed and not lagging)
+        plan = self.planner.plan(views, waiting=self.waiting_requests)
+        roots = None
+        if lagging and plan.width == 1:
+            roots = relayed_last_tokens(batch.spec_info, bs)
+        if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
+            t1 = time.perf_counter()
+            views = request_views(batch, True)
+            waited = time.perf_counter() - t1
+            plan = self.planner.plan(views, waiting=self.waiting_requests)
+            lagging = False
+        t_plan = time.perf_counter()
+        if plan.width == 1 and plain_fits:
+            if roots is None:
+                roots = torch.from_numpy(np.ascontiguousarray(plan.tokens[:, 0], dtype=np.int64))
+            result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors)
+        else:
+            # the root is the last committed token, not yet in the KV cache
+            seq_lens_host = [v.committed_len - 1 for v in views]
+            result = self._forward_verify(batch, plan, seq_lens_host, on_publish, pp_proxy_tensors)
+        self._drafted_last = plan.width > 1
+        self._timer.step_launched(plan.width, bs)
+        if self._profile is not None:
+            self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan)
+        return result
 
-    def _prepare_verify(self, batch: ScheduleBatch, plan) -> None:
+    def _plain_decode_fits(self, batch: ScheduleBatch) -> bool:
+        """Batches the plain decode path serves like SGLang's own decode; others take a 1-token verify."""
+        return self._plain_ok and not (
+            batch.has_grammar
+            or batch.return_logprob
+            or (self.model_runner.watermark_state is not None and batch.sampling_info.has_watermark_candidates)
+            or get_exec().mamba.enable_mamba_extra_buffer
+        )
+
+    def _forward_plain(self, batch: ScheduleBatch, roots: torch.Tensor, on_publish, pp_proxy_tensors):
+        """Width 1: one DECODE forward of each request's last committed token and the normal sampler.
+
+        Under speculation the batch's `seq_lens` count the tokens already in the KV cache and the last committed
+        token is not among them (a verify writes it first); a decode forward counts the token it writes. So the
+        forward runs over `seq_lens + 1`, writing at slot `seq_lens`, and the batch gets its lengths back after."""
+        bs = len(batch.reqs)
+        self._activate(self._decode_state, 1)
+        input_ids = self.draft_tokens[:bs]
+        input_ids.copy_(roots, non_blocking=True)
+        seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens = (
+            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens)
+        batch.out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=seq_lens,
+            end_offset=seq_lens + 1,
+            batch_size=bs,
+            draft_token_num=1,
+            device=self.device,
+        )
+        batch.forward_mode = ForwardMode.DECODE
+        batch.input_ids = input_ids
+        batch.spec_info = None
+        batch.seq_lens = seq_lens + 1
+        if seq_lens_cpu is not None:
+            batch.seq_lens_cpu = seq_lens_cpu + 1
+        if seq_lens_sum is not None:
+            batch.seq_lens_sum = seq_lens_sum + bs
+        if orig_seq_lens is not None:
+            batch.orig_seq_lens = orig_seq_lens + 1
+        set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
+        try:
+            batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+        finally:
+            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens = (
+                seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens)
+        predict = batch_result.next_token_ids.to(torch.int32)
+        new_seq_lens = seq_lens + 1
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        batch.forward_mode = ForwardMode.DECODE
+        return self._result(batch_result.logits_output, padded_rows(predict.view(bs, 1), self.max_width),
+                            accept_lens, new_seq_lens, batch_result.can_run_cuda_graph, 1)
+
+    def _prepare_verify(self, batch: ScheduleBatch, plan, seq_lens_sum: int) -> None:
         bs, w = len(batch.reqs), plan.width
         draft_tokens = self.draft_tokens[: bs * w]
         positions = self.positions[: bs * w]
@@ -203,8 +368,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
             retrieve_next_sibling, bs, w,
         )
         custom_mask = tree_mask
-        if not _is_cpu:  # full mask [w, seq_len + w] per request, as NGRAMWorker (USE_FULL_MASK)
-            custom_mask = full_verify_mask(tree_mask.view(bs, w, w), batch.seq_lens_cpu[:bs])
+        if not _is_cpu:  # full mask [w, seq_len + w] per request, as NGRAMWorker (USE_FULL_MASK), built on device
+            custom_mask = full_verify_mask(tree_mask.view(bs, w, w), batch.seq_lens[:bs], seq_lens_sum)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = draft_tokens
         batch.out_cache_loc = assign_extend_cache_locs_func(
@@ -227,35 +392,28 @@ class NgramAdaptiveWorker(NGRAMWorker):
             draft_token_num=w,
         )
 
-    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None):
-        if not batch.forward_mode.is_decode():
-            return self._forward_extend(batch, on_publish, pp_proxy_tensors)
-        fwd_stream = torch.get_device_module(self.device).current_stream()
-        record_stream_for_v2_verify(batch, None, fwd_stream)
-        bs = len(batch.reqs)
-
-        set_time_batch(batch.reqs, "set_spec_draft_start_time", trace_only=True)
-        current_rids = {req.rid for req in batch.reqs}
-        self.planner.release(self._prev_decode_rids - current_rids)
-        self._prev_decode_rids = current_rids
-        self._harvest_timings()
-        use_prev_tokens = self.enable_overlap and not batch.grammar_needs_sync()
-        # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
-        plan = self.planner.plan(request_views(batch, use_prev_tokens), waiting=self.waiting_requests)
-        width = plan.width
-        self._activate_width(width)
+    def _forward_verify(self, batch: ScheduleBatch, plan, seq_lens_host: list, on_publish, pp_proxy_tensors):
+        """A verify at ``plan.width``. ``seq_lens_host``: each request's tokens in the KV cache, known on the host
+        from the exact tokens this step waited for (lent to the batch for this forward if the relay left it
+        without host lengths)."""
+        bs, width = len(batch.reqs), plan.width
+        self._activate(self._width_states[width], width)
+        saved = batch.seq_lens_cpu, batch.seq_lens_sum
+        if batch.seq_lens_cpu is None:
+            batch.seq_lens_cpu = torch.tensor(seq_lens_host, dtype=torch.int64)
+            batch.seq_lens_sum = int(sum(seq_lens_host))
+        elif batch.seq_lens_sum is None:
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
         with get_spec().override(speculative_num_draft_tokens=width):
-            self._prepare_verify(batch, plan)
-            set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
-            timing = None
-            if self.planner.is_timing_rank and not _is_cpu:
-                device_module = torch.get_device_module(self.device)
-                timing = (device_module.Event(enable_timing=True), device_module.Event(enable_timing=True))
-                timing[0].record()
-            verify_input: NgramVerifyInput = batch.spec_info
-            batch_result = self.target_worker.forward_batch_generation(
-                batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
-            )
+            try:
+                self._prepare_verify(batch, plan, batch.seq_lens_sum)
+                set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
+                verify_input: NgramVerifyInput = batch.spec_info
+                batch_result = self.target_worker.forward_batch_generation(
+                    batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
+                )
+            finally:
+                batch.seq_lens_cpu, batch.seq_lens_sum = saved
             logits_output, can_run_cuda_graph = batch_result.logits_output, batch_result.can_run_cuda_graph
             grammar_mask = None
             if batch.has_grammar:
@@ -275,9 +433,6 @@ class NgramAdaptiveWorker(NGRAMWorker):
                 verify_input, batch, logits_output, grammar_mask,
                 watermark_state=self.model_runner.watermark_state,
             )
-            if timing is not None:
-                timing[1].record()
-                self._timings.append((width, bs, timing[0], timing[1]))
             new_seq_lens = batch.seq_lens + accept_lens
             commit_mamba_states_after_verify(self.target_worker, batch, accept_lens, accept_index, width)
             accept_tokens = predict[accept_index]
@@ -294,6 +449,9 @@ class NgramAdaptiveWorker(NGRAMWorker):
 
     def _forward_extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors):
         bs = len(batch.reqs)
+        state = self._width_states.get(self.max_width)
+        if state is not None:  # prefill runs on the start-up backend (a decode step may have swapped it)
+            self._activate(state, self.max_width)
         batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
         predict = batch_result.next_token_ids
         new_seq_lens = batch.seq_lens.clone()
@@ -317,3 +475,59 @@ class NgramAdaptiveWorker(NGRAMWorker):
             speculative_num_draft_tokens=width,
             speculative_output_stride=self.max_width,
         )
+
+
+def _warm_up(config) -> None:
+    """Compile every kernel the planner runs per step (cache, controller, layout) on a throwaway planner."""
+    planner = DraftPlanner(config, max_requests=4, cache=_tiny_cache(config))
+    views = [RequestView(0, [1, 2, 3, 1, 2, 3, 1, 2], [3]), RequestView(1, [4, 5, 4, 5, 4], [])]
+    for out in ([3], [3, 1], [3, 1, 2, 3]):
+        views[0] = RequestView(0, views[0].prompt, out)
+        planner.plan(views, waiting=0)
+        planner.plan(views, waiting=None)
+        planner.record_duration(1, 2, 0.01)
+        planner.record_duration(config.max_width, 2, 0.02)
+    planner.release([0, 1])
+
+
+def _tiny_cache(config):
+    from ngramspec.cache import NgramCache
+
+    return NgramCache(max_depth=config.max_depth, max_requests=4, local_nodes=1 << 10, shared_nodes=1 << 10,
+                      shared_tokens=1 << 10)
+
+
+class _HostProfile:
+    """Host seconds per decode step by phase (NGRAMSPEC_PROFILE=FILE): waiting for the previous step's tokens,
+    drafting and width choice, then launching the forward (mask, indices, model, sampling), per kind of step
+    (plain without waiting, plain after waiting, verify). Rank 0 rewrites FILE with the running sums every 20
+    steps (readers difference two snapshots); for diagnosis, off by default."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.steps = 0
+        self.rows: dict[str, list[float]] = {}
+
+    @classmethod
+    def from_env(cls, rank: int):
+        path = os.environ.get("NGRAMSPEC_PROFILE")
+        return cls(path) if path and rank == 0 else None
+
+    def add(self, width: int, batch_size: int, lagging: bool, wait_s: float, plan_s: float, launch_s: float) -> None:
+        key = ("plain-overlapped" if lagging else "plain") if width == 1 else "verify"
+        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0])
+        row[0] += 1
+        row[1] += batch_size
+        row[2] += wait_s
+        row[3] += plan_s
+        row[4] += launch_s
+        row[5] += width
+        self.steps += 1
+        if self.steps % 20 == 0:
+            self.dump()
+
+    def dump(self) -> None:
+        out = {k: {"steps": r[0], "requests": r[1], "width": r[5], "wait_s": r[2], "plan_s": r[3], "launch_s": r[4]}
+               for k, r in self.rows.items()}
+        with open(self.path, "w") as f:
+            json.dump(out, f, indent=1)

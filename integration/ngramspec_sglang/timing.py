@@ -1,0 +1,72 @@
+"""What each decode step really costs the server, host time included.
+
+The controller weighs a width by what a step at that width costs. A timer around the verify forward alone leaves
+out what the server spends on the host between steps (drafting, layout, index preparation, the scheduler's own
+work) whenever that time is not hidden behind the GPU, and n-gram drafting hides none of it: a step that drafts
+must wait for the previous step's tokens, so the GPU idles while the host drafts. So a step's cost is measured as
+the time between the GPU reaching the end of the previous step and reaching the end of this one: the idle gap
+the host left before it, plus its own execution. A plain step launched while the GPU is still busy (nothing to
+wait for) costs just its execution; a drafting step pays for its wait. Widths compare as the server sees them.
+
+A period that spans anything other than two consecutive decode steps (a prefill in between) is dropped.
+Marks are CUDA events on the forward stream (read without blocking, once the GPU has passed them), or host
+clock readings where there is no GPU.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Callable
+
+
+class StepTimer:
+    """Turns a mark at the end of every decode step into ``record(width, batch_size, seconds)`` per step."""
+
+    def __init__(self, record: Callable[[int, int, float], None], mark: Callable[[], Any],
+                 passed: Callable[[Any], bool], seconds: Callable[[Any, Any], float], max_period_s: float = 10.0):
+        self._record = record
+        self._mark = mark
+        self._passed = passed
+        self._seconds = seconds
+        self._max_period_s = max_period_s
+        self._queue: deque = deque()  # (width, batch_size, mark, follows_a_decode_step)
+        self._last = None  # the newest mark the device has passed
+        self._chained = False
+        self.recorded = 0
+        self.dropped = 0
+
+    @classmethod
+    def for_device(cls, record, device_module=None) -> "StepTimer":
+        """CUDA events when ``device_module`` (e.g. ``torch.cuda``) is given, else the host clock."""
+        if device_module is None:
+            return cls(record, time.perf_counter, lambda m: True, lambda a, b: b - a)
+
+        def mark():
+            event = device_module.Event(enable_timing=True)
+            event.record()
+            return event
+
+        return cls(record, mark, lambda e: e.query(), lambda a, b: a.elapsed_time(b) / 1000.0)
+
+    def step_launched(self, width: int, batch_size: int) -> None:
+        """Call after a decode step's work was launched."""
+        self._queue.append((int(width), int(batch_size), self._mark(), self._chained))
+        self._chained = True
+        self.harvest()
+
+    def interrupt(self) -> None:
+        """Something other than a decode step runs next (a prefill): the next period would not be a step's."""
+        self._chained = False
+
+    def harvest(self) -> None:
+        """Record every step whose end the device has passed (never waits)."""
+        while self._queue and self._passed(self._queue[0][2]):
+            width, batch_size, mark, chained = self._queue.popleft()
+            if chained and self._last is not None:
+                period = self._seconds(self._last, mark)
+                if 0.0 < period <= self._max_period_s:
+                    self._record(width, batch_size, period)
+                    self.recorded += 1
+                else:
+                    self.dropped += 1
+            self._last = mark

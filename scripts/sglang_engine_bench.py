@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Plain decoding vs SGLang's NGRAM vs NGRAM_ADAPTIVE in a real SGLang engine, side by side, in one run. Needs a GPU.
+
+Each configuration runs in its own child process (`sglang.Engine`, offline; clean GPU memory, a crash stays
+contained), on the same greedy prompts, at each concurrency level (1: one request at a time; N: all prompts
+submitted at once, at most N running). Reported per configuration, prompt set and concurrency: output tokens per
+second (wall clock over the whole set), SGLang's accept length (completion tokens / forward steps), and for
+NGRAM_ADAPTIVE the mean verify width and host milliseconds per step (from the plugin's NGRAMSPEC_PROFILE
+counters). Greedy outputs are compared token by token with plain decoding's; a difference is reported with the
+first position where it differs.
+
+    python scripts/sglang_engine_bench.py --model MODEL_DIR --out results.json \
+        [--configs plain,ngram,adaptive,adaptive_w1] [--concurrency 1 16] [--max-new-tokens 256] \
+        [--dtype float32] [--tp 1] [--extra '{"attention_backend": "triton"}']
+
+Prompts: two built-in sets, chat-formatted with the model's template: `copy` (code edits, reformatting,
+repetition: output copies much of the prompt) and `free` (open questions and creative writing).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CODE = [
+    "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+    "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n"
+    "            out.append(b[j]); j += 1\n    return out + a[i:] + b[j:]\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+    "    def peek(self):\n        return self.items[-1]\n\n    def is_empty(self):\n        return not self.items\n",
+    "function fetchUser(id) {\n  return fetch('/api/users/' + id)\n    .then(res => res.json())\n"
+    "    .then(data => {\n      console.log(data.name);\n      return data;\n    });\n}\n",
+    "SELECT customers.name, orders.total\nFROM customers\nJOIN orders ON orders.customer_id = customers.id\n"
+    "WHERE orders.total > 100\nORDER BY orders.total DESC;\n",
+]
+TEXT = [
+    "The quick brown fox jumps over the lazy dog. The dog did not move. The fox jumped again, higher this time, "
+    "and landed softly in the tall grass on the other side of the fence.",
+    "Our store opens at 9 am on weekdays and 10 am on weekends. Returns are accepted within 30 days with a "
+    "receipt. Gift cards cannot be exchanged for cash.",
+    "Alice met Bob at the station at noon. They took the train to the coast, walked along the beach, "
+    "and had dinner at a small restaurant near the harbour before returning home.",
+    "name: build\non: [push]\njobs:\n  test:\n    runs-on: ubuntu-latest\n    steps:\n"
+    "      - uses: actions/checkout@v4\n      - run: pip install -e .\n      - run: pytest -q\n",
+]
+COPY_PROMPTS = (
+    [f"Rewrite this code with a docstring and comments, keeping all the code:\n\n{c}" for c in CODE]
+    + [f"Repeat this code exactly, then explain it in one sentence:\n\n{c}" for c in CODE]
+    + [f"Repeat the following text word for word:\n\n{t}" for t in TEXT]
+    + [f"Correct any mistakes and output the full corrected text:\n\n{t}" for t in TEXT]
+)
+FREE_PROMPTS = [
+    "Write a short poem about the sea at night.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me three tips for learning a new language.",
+    "What are the main causes of inflation?",
+    "Describe a day in the life of a lighthouse keeper.",
+    "Write a short story about a robot who learns to paint.",
+    "What is the difference between weather and climate?",
+    "Suggest a healthy breakfast and explain why it is healthy.",
+    "How do airplanes stay in the air?",
+    "Write a letter to a friend you have not seen in years.",
+    "What should I consider when buying a used car?",
+    "Explain photosynthesis in simple terms.",
+    "Invent a new board game and describe its rules.",
+    "Why do cats purr?",
+    "Write a product description for a reusable water bottle.",
+    "What are some good habits for better sleep?",
+]
+COMMON = dict(attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.5,
+              log_level="warning", random_seed=0, disable_prefill_cuda_graph=True)
+CONFIGS = {
+    "plain": {},
+    "ngram": dict(speculative_algorithm="NGRAM"),  # SGLang's own n-gram speculation at its defaults
+    "adaptive": dict(speculative_algorithm="NGRAM_ADAPTIVE"),
+    "adaptive_w1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1}),
+    "adaptive_chain": dict(speculative_algorithm="NGRAM_ADAPTIVE", speculative_ngram_max_bfs_breadth=1),
+}
+
+
+def chat_prompts(model: str, prompts: list[str]) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    if not getattr(tok, "chat_template", None):
+        return prompts
+    return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts]
+
+
+def profile_snapshot(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def profile_delta(before: dict, after: dict) -> dict | None:
+    """Per step: mean verify width, waiting / planning / launch host ms, over all kinds of step."""
+    tot = {k: 0.0 for k in ("steps", "requests", "width", "wait_s", "plan_s", "launch_s")}
+    kinds = {}
+    for kind, row in after.items():
+        old = before.get(kind, {})
+        d = {k: row[k] - old.get(k, 0) for k in tot}
+        kinds[kind] = int(d["steps"])
+        for k in tot:
+            tot[k] += d[k]
+    n = tot["steps"]
+    if not n:
+        return None
+    return {"steps": int(n), "mean_width": tot["width"] / n, "mean_batch": tot["requests"] / n,
+            "host_ms_per_step": 1e3 * (tot["plan_s"] + tot["launch_s"]) / n, "wait_ms_per_step": 1e3 * tot["wait_s"] / n,
+            "plan_ms_per_step": 1e3 * tot["plan_s"] / n, "steps_by_kind": kinds}
+
+
+def run_one(name: str, a) -> dict:
+    import sglang
+
+    cfg = dict(CONFIGS[name])
+    adaptive_file = cfg.pop("adaptive_file", None)
+    if adaptive_file is not None:
+        path = os.path.join(tempfile.mkdtemp(), f"{name}.json")
+        with open(path, "w") as f:
+            json.dump(adaptive_file, f)
+        cfg["speculative_adaptive_config"] = path
+    extra = json.loads(a.extra) if a.extra else {}
+    prof = os.path.join(tempfile.mkdtemp(), "profile.json")
+    os.environ["NGRAMSPEC_PROFILE"] = prof
+    t0 = time.time()
+    engine = sglang.Engine(model_path=a.model, dtype=a.dtype, tp_size=a.tp, max_running_requests=max(a.concurrency),
+                           **{**COMMON, **extra, **cfg})
+    startup = time.time() - t0
+    sampling = {"temperature": 0, "max_new_tokens": a.max_new_tokens}
+    sets = {"copy": chat_prompts(a.model, COPY_PROMPTS)[: a.prompts_per_set],
+            "free": chat_prompts(a.model, FREE_PROMPTS)[: a.prompts_per_set]}
+    out = {"config": name, "startup_s": round(startup, 1), "runs": {}}
+    try:
+        engine.generate(sets["copy"][:2] + sets["free"][:2], {"temperature": 0, "max_new_tokens": 32})  # warm-up
+        for conc in a.concurrency:
+            for set_name, prompts in sets.items():
+                before = profile_snapshot(prof)
+                t = time.perf_counter()
+                if conc == 1:
+                    res = [engine.generate(p, sampling) for p in prompts]
+                else:
+                    res = engine.generate(prompts, sampling)
+                secs = time.perf_counter() - t
+                time.sleep(0.3)
+                prof_d = profile_delta(before, profile_snapshot(prof))
+                tokens = sum(r["meta_info"]["completion_tokens"] for r in res)
+                steps = [r["meta_info"].get("spec_verify_ct") or 0 for r in res]
+                out["runs"][f"{set_name}/c{conc}"] = {
+                    "seconds": round(secs, 3), "tokens": tokens, "tok_s": round(tokens / secs, 1),
+                    "accept_len": round(tokens / sum(steps), 3) if sum(steps) else None,
+                    "profile": prof_d,
+                    "output_ids": [r.get("output_ids") for r in res], "texts": [r["text"] for r in res],
+                }
+    finally:
+        engine.shutdown()
+    return out
+
+
+def first_difference(a, b) -> int | None:
+    if a == b:
+        return None
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompts-per-set", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--configs", default="plain,ngram,adaptive,adaptive_w1")
+    p.add_argument("--extra", default="", help="JSON object of extra sglang.Engine arguments for every config")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    p.add_argument("--logs", help="folder for each configuration's server log (stderr)")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one:
+        print("RESULT " + json.dumps(run_one(a.one, a)), flush=True)
+        return 0
+    results = {}
+    for name in a.configs.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [
+            x for x in sys.argv[1:]]
+        t = time.time()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            if a.logs:
+                os.makedirs(a.logs, exist_ok=True)
+                with open(os.path.join(a.logs, f"{name}.log"), "w") as f:
+                    f.write(proc.stderr[-400_000:])
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            res = json.loads(line[-1][7:]) if line else {"config": name, "error": f"rc={proc.returncode}",
+                                                          "stderr_tail": proc.stderr[-6000:]}
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
+            res = {"config": name, "error": f"timeout {a.timeout}s", "stderr_tail": err[-6000:]}
+        res["wall_s"] = round(time.time() - t, 1)
+        results[name] = res
+        if "error" in res:
+            print(f"{name}: {res['error']}\n{res.get('stderr_tail', '')}", flush=True)
+        with open(a.out, "w") as f:
+            json.dump(results, f)
+    base = results.get("plain", {}).get("runs", {})
+    print(f"\n{'config':14s} {'run':9s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} {'width':>6s} "
+          f"{'host ms':>8s} {'wait ms':>8s} {'identical':>10s}")
+    for name, res in results.items():
+        for run, r in res.get("runs", {}).items():
+            ref = base.get(run)
+            ratio = r["tok_s"] / ref["tok_s"] if ref else float("nan")
+            same, diffs = "-", []
+            if ref and name != "plain":
+                key = "output_ids" if r["output_ids"][0] is not None else "texts"
+                diffs = [(i, first_difference(x, y)) for i, (x, y) in enumerate(zip(ref[key], r[key]))]
+                diffs = [(i, d) for i, d in diffs if d is not None]
+                same = f"{len(r[key]) - len(diffs)}/{len(r[key])}"
+                r["differs_at"] = diffs
+            pr = r.get("profile") or {}
+            print(f"{name:14s} {run:9s} {r['tok_s']:8.1f} {ratio:8.3f} {r['accept_len'] or 1.0:7.2f} "
+                  f"{pr.get('mean_width', float('nan')):6.2f} {pr.get('host_ms_per_step', float('nan')):8.3f} "
+                  f"{pr.get('wait_ms_per_step', float('nan')):8.3f} {same:>10s}"
+                  + (f"  first differences (prompt, token): {diffs[:4]}" if diffs else ""))
+    with open(a.out, "w") as f:
+        json.dump(results, f)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""The plugin's step cost measure (`ngramspec_sglang.timing.StepTimer`), with fake device marks: no GPU needed."""
+import pytest
+
+from ngramspec_sglang.timing import StepTimer
+
+
+class FakeDevice:
+    """Marks are (time the device reaches them); `now` is how far the device has got."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.queue_end = 0.0  # when the work launched so far ends
+
+    def launch(self, at: float, work: float) -> float:
+        """The host launches `work` seconds of work at host time `at`; returns when the device finishes it."""
+        self.queue_end = max(self.queue_end, at) + work
+        return self.queue_end
+
+
+def make(records):
+    dev = FakeDevice()
+    pending = []
+
+    def mark():
+        pending.append(dev.queue_end)
+        return dev.queue_end
+
+    timer = StepTimer(lambda w, b, s: records.append((w, b, round(s, 6))), mark, lambda m: m <= dev.now,
+                      lambda a, b: b - a)
+    return dev, timer
+
+
+def test_a_step_costs_its_execution_plus_the_idle_gap_before_it():
+    records = []
+    dev, timer = make(records)
+    # plain steps launched while the device is busy: each costs its execution (1.0)
+    for i in range(3):
+        dev.launch(at=0.1 * i, work=1.0)
+        timer.step_launched(1, 4)
+    # a drafting step: the host waits for the device (t = 3.0), plans 0.5 s, then launches 1.2 s of work
+    dev.now = 3.0
+    timer.harvest()
+    dev.launch(at=3.5, work=1.2)
+    timer.step_launched(8, 4)
+    dev.now = 10.0
+    timer.harvest()
+    # the first step has no predecessor; the verify pays its 0.5 s host gap
+    assert records == [(1, 4, 1.0), (1, 4, 1.0), (8, 4, 1.7)]
+    assert timer.recorded == 3
+
+
+def test_harvest_never_waits_and_a_prefill_breaks_the_chain():
+    records = []
+    dev, timer = make(records)
+    dev.launch(at=0.0, work=1.0)
+    timer.step_launched(1, 2)
+    dev.launch(at=0.0, work=1.0)
+    timer.step_launched(2, 2)
+    assert records == []  # the device has not reached either mark: nothing recorded, nothing blocked
+    timer.interrupt()  # a prefill runs here
+    dev.launch(at=0.0, work=5.0)  # (the prefill's work, unmarked)
+    dev.launch(at=0.0, work=1.0)
+    timer.step_launched(1, 3)
+    dev.launch(at=0.0, work=1.0)
+    timer.step_launched(1, 3)
+    dev.now = 100.0
+    timer.harvest()
+    # step 2 follows step 1; the step after the prefill is dropped; the last one follows a decode step
+    assert records == [(2, 2, 1.0), (1, 3, 1.0)]
+
+
+@pytest.mark.parametrize("period", [0.0, 50.0])
+def test_implausible_periods_are_dropped_not_recorded(period):
+    records = []
+    marks = iter([0.0, period])
+    timer = StepTimer(lambda *r: records.append(r), lambda: next(marks), lambda m: True, lambda a, b: b - a,
+                      max_period_s=10.0)
+    timer.step_launched(1, 1)
+    timer.step_launched(1, 1)
+    assert records == [] and timer.dropped == 1
+
+
+def test_host_clock_timer_records_launch_to_launch_periods():
+    records = []
+    timer = StepTimer.for_device(lambda *r: records.append(r))
+    timer.step_launched(1, 1)
+    timer.step_launched(2, 1)
+    assert len(records) == 1 and records[0][:2] == (2, 1) and records[0][2] > 0
