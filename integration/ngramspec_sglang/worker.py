@@ -21,12 +21,16 @@ import json
 import logging
 import os
 import time
+import zlib
 from typing import Optional
 
 import numpy as np
 import torch
 
-from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.kernels.ops.speculative.cache_locs import (
+    assign_extend_cache_locs_func,
+    fill_front_out_cache_loc_func,
+)
 from sglang.kernels.ops.speculative.reconstruct_tree import reconstruct_indices_from_tree_mask_func
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -101,6 +105,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         )
         self._drafted_last = False  # the last decode step drafted: the next one waits for its tokens
         self._profile = _HostProfile.from_env(self._tp_group.rank_in_group)
+        self._forward_s = 0.0
+        self._draft_log = _DraftLog.from_env(self._tp_group.rank_in_group)
         set_cpu_seq_lens_need(self._backends_need_cpu_seq_lens)
         self._gauges = None
         if get_observability().enable_metrics and self._tp_group.rank_in_group == 0:
@@ -170,6 +176,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
                     )
             self._width_states[width] = (backend, graph_runner)
             logger.info("NGRAM_ADAPTIVE: verify state for width %d ready (cuda graph: %s)", width, graphs_enabled)
+        self._warm_step_kernels()
         if self._plain_ok:
             try:
                 self._decode_state = self._build_decode_state(graphs_enabled)
@@ -177,6 +184,57 @@ class NgramAdaptiveWorker(NGRAMWorker):
             except Exception:  # the server still runs: width 1 then verifies the root alone
                 logger.exception("NGRAM_ADAPTIVE: no plain decode state; width 1 runs as a 1-token verify")
                 self._decode_state = None
+
+    def _warm_step_kernels(self) -> None:
+        """Build now the kernels a decode step runs outside the captured graphs, which SGLang would otherwise
+        JIT-compile inside the first request that needs each one (a stall of seconds per kernel and shape class):
+        the tree-index / greedy-verify module, and the Triton kernels specialised on the batch size's or the
+        verify window's power of two (cache locations, accepted-token moves). Dummy inputs only address the
+        KV pool's padding slot 0."""
+        if _is_cpu:
+            return
+        from sglang.kernels.ops.speculative.eagle import fill_accept_out_cache_loc_func
+        from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_func
+
+        t0 = time.perf_counter()
+        dev, w_max = self.device, self.max_width
+        long = dict(dtype=torch.int64, device=dev)
+        req_to_token = self.req_to_token_pool.req_to_token
+        kv = self.token_to_kv_pool_allocator.get_kvcache()
+        sizes, n = [], 1
+        while n < 2 * self.max_batch_size * w_max:
+            sizes.append(n)
+            n *= 2
+        try:
+            for bs in (s for s in sizes if s < 2 * max(1, self.max_batch_size)):
+                zeros = torch.zeros(bs, **long)
+                for w in (1, w_max):
+                    locs = assign_extend_cache_locs_func(
+                        req_pool_indices=zeros, req_to_token=req_to_token, start_offset=zeros,
+                        end_offset=zeros + w, batch_size=bs, draft_token_num=w, device=dev)
+                    fill_front_out_cache_loc_func(torch.ones(bs, dtype=torch.int32, device=dev), locs,
+                                                  torch.zeros(bs * w, **long))
+            for size in sizes:  # accepted-token moves are specialised on the window's power of two
+                fill_accept_out_cache_loc_func(torch.full((size,), -1, dtype=torch.int32, device=dev),
+                                               torch.zeros(size, **long), torch.zeros(size, **long), size)
+            kv.move_kv_cache(torch.zeros(1, **long), torch.zeros(1, **long))
+            bs, w = 2, min(2, w_max)
+            mask = torch.ones((bs, w, w), dtype=torch.bool, device=dev).tril().reshape(-1)
+            seq = torch.ones(bs, **long)
+            positions = torch.empty(bs * w, **long)
+            r_index, r_next, r_sib = (torch.empty((bs, w), **long) for _ in range(3))
+            reconstruct_indices_from_tree_mask_func(mask, seq, positions, r_index, r_next, r_sib, bs, w)
+            full_verify_mask(mask.view(bs, w, w), seq, bs)
+            verify_tree_greedy_func(
+                predicts=torch.zeros(bs * w, dtype=torch.int32, device=dev),
+                accept_index=torch.full((bs, w), -1, dtype=torch.int32, device=dev),
+                accept_token_num=torch.zeros(bs, dtype=torch.int32, device=dev),
+                candidates=torch.zeros((bs, w), **long), retrieve_index=r_index, retrieve_next_token=r_next,
+                retrieve_next_sibling=r_sib, target_predict=torch.zeros((bs, w), **long), topk=-1)
+            torch.get_device_module(dev).synchronize()
+            logger.info("NGRAM_ADAPTIVE: step kernels built in %.1f s", time.perf_counter() - t0)
+        except Exception:  # a missing warm-up costs a stall later, never a failed start
+            logger.exception("NGRAM_ADAPTIVE: could not pre-build the step kernels; they build on first use")
 
     def _backends_need_cpu_seq_lens(self) -> bool:
         backends = [self.model_runner.attn_backend] + [state[0] for state in self._width_states.values()]
@@ -266,10 +324,20 @@ class NgramAdaptiveWorker(NGRAMWorker):
         plain_fits = self._decode_state is not None and self._plain_decode_fits(batch)
         lagging = relayed and plain_fits and not self._drafted_last
         waited = 0.0
+        roots = None
+        if self.config.fixed_width == 1 and plain_fits:  # never drafts: no planner, no host tokens needed
+            roots = relayed_last_tokens(batch.spec_info, bs)
+            if roots is not None:
+                t_plan = time.perf_counter()
+                result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors)
+                self._timer.step_launched(1, bs)
+                if self._profile is not None:
+                    self._profile.add(1, bs, True, 0.0, t_plan - t0, time.perf_counter() - t_plan,
+                                      self._forward_s, result.can_run_cuda_graph)
+                return result
         # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
         views = request_views(batch, relayed and not lagging)
         plan = self.planner.plan(views, waiting=self.waiting_requests)
-        roots = None
         if lagging and plan.width == 1:
             roots = relayed_last_tokens(batch.spec_info, bs)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
@@ -290,7 +358,10 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._drafted_last = plan.width > 1
         self._timer.step_launched(plan.width, bs)
         if self._profile is not None:
-            self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan)
+            self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,
+                              self._forward_s, result.can_run_cuda_graph)
+        if self._draft_log is not None:
+            self._draft_log.write(plan)
         return result
 
     def _plain_decode_fits(self, batch: ScheduleBatch) -> bool:
@@ -334,9 +405,11 @@ class NgramAdaptiveWorker(NGRAMWorker):
         if orig_seq_lens is not None:
             batch.orig_seq_lens = orig_seq_lens + 1
         set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
+        t = time.perf_counter()
         try:
             batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
         finally:
+            self._forward_s = time.perf_counter() - t
             batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens = (
                 seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens)
         predict = batch_result.next_token_ids.to(torch.int32)
@@ -409,9 +482,11 @@ class NgramAdaptiveWorker(NGRAMWorker):
                 self._prepare_verify(batch, plan, batch.seq_lens_sum)
                 set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
                 verify_input: NgramVerifyInput = batch.spec_info
+                t = time.perf_counter()
                 batch_result = self.target_worker.forward_batch_generation(
                     batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
                 )
+                self._forward_s = time.perf_counter() - t
             finally:
                 batch.seq_lens_cpu, batch.seq_lens_sum = saved
             logits_output, can_run_cuda_graph = batch_result.logits_output, batch_result.can_run_cuda_graph
@@ -513,9 +588,12 @@ class _HostProfile:
         path = os.environ.get("NGRAMSPEC_PROFILE")
         return cls(path) if path and rank == 0 else None
 
-    def add(self, width: int, batch_size: int, lagging: bool, wait_s: float, plan_s: float, launch_s: float) -> None:
+    def add(self, width: int, batch_size: int, lagging: bool, wait_s: float, plan_s: float, launch_s: float,
+            forward_s: float, graph: bool) -> None:
         key = ("plain-overlapped" if lagging else "plain") if width == 1 else "verify"
-        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0])
+        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0])
+        row[6] += forward_s
+        row[7] += bool(graph)
         row[0] += 1
         row[1] += batch_size
         row[2] += wait_s
@@ -527,7 +605,26 @@ class _HostProfile:
             self.dump()
 
     def dump(self) -> None:
-        out = {k: {"steps": r[0], "requests": r[1], "width": r[5], "wait_s": r[2], "plan_s": r[3], "launch_s": r[4]}
-               for k, r in self.rows.items()}
+        out = {k: {"steps": r[0], "requests": r[1], "width": r[5], "wait_s": r[2], "plan_s": r[3], "launch_s": r[4],
+                   "forward_s": r[6], "graph_steps": r[7]} for k, r in self.rows.items()}
         with open(self.path, "w") as f:
             json.dump(out, f, indent=1)
+
+
+class _DraftLog:
+    """One line per decode step: width and a CRC32 of the verified tokens and tree mask
+    (NGRAMSPEC_DRAFT_LOG=PREFIX writes PREFIX.rank<N> on every TP rank; identical files show the ranks drafted
+    identical trees). For checks, off by default."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "w", buffering=1)
+
+    @classmethod
+    def from_env(cls, rank: int):
+        prefix = os.environ.get("NGRAMSPEC_DRAFT_LOG")
+        return cls(f"{prefix}.rank{rank}") if prefix else None
+
+    def write(self, plan) -> None:
+        tokens = np.ascontiguousarray(plan.tokens, dtype=np.int64)
+        mask = np.ascontiguousarray(plan.mask, dtype=np.bool_)
+        self.file.write(f"{plan.width} {tokens.shape[0]} {zlib.crc32(mask.tobytes(), zlib.crc32(tokens.tobytes())):08x}\n")

@@ -102,3 +102,26 @@ def test_full_verify_mask_equals_ngram_workers_construction():
         assert got.numel() == int(seq_lens.sum()) * width + width * width * bs
     with pytest.raises(ValueError, match="sequence lengths"):
         full_verify_mask(torch.ones((2, 3, 3), dtype=torch.bool), [1])
+
+
+def test_full_verify_mask_sized_from_a_host_sum_without_reading_device_lengths():
+    from ngramspec_sglang.relay import full_verify_mask
+
+    tree = torch.tensor([[[1, 0], [1, 1]], [[1, 0], [0, 1]]], dtype=torch.bool)
+    seq = torch.tensor([3, 1])
+    got = full_verify_mask(tree, seq, seq_lens_sum=4)
+    assert torch.equal(got, full_verify_mask(tree, seq))
+    assert got.numel() == 4 * 2 + 2 * 2 * 2
+
+
+def test_relayed_last_tokens_reads_each_requests_last_accepted_token(sglang_parts):
+    from ngramspec_sglang.relay import relayed_last_tokens
+
+    NgramVerifyInput = sglang_parts[2]
+    relay = NgramVerifyInput(draft_token_num=4, new_seq_lens=torch.tensor([5, 9, 2]),
+                             accept_tokens=torch.tensor([7, 8, 0, 0, 1, 2, 3, 4, 6, 0, 0, 0], dtype=torch.int32),
+                             accept_lens=torch.tensor([2, 4, 1], dtype=torch.int32))
+    got = relayed_last_tokens(relay, 3)
+    assert got.tolist() == [8, 4, 6] and got.dtype == torch.int64
+    assert relayed_last_tokens(NgramVerifyInput(draft_token_num=4, new_seq_lens=torch.tensor([1])), 1) is None
+    assert relayed_last_tokens(None, 2) is None

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The SGLang server checks of docs/sglang.md, on a GPU machine with SGLang 0.5.23 (for this project's test
+# machines: after `source .gpukit/device/env.sh`, see docs/sglang.md). Results land in $OUT (default ./out/sglang).
+#   bash scripts/sglang_gpu_runs.sh tiny            # random-weight Llama: fixed width 1 vs plain; TP=2 vs TP=1 (2 GPUs)
+#   bash scripts/sglang_gpu_runs.sh smollm2 MODEL   # SmolLM2-135M-Instruct float32: plain, NGRAM, NGRAM_ADAPTIVE
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/sglang}; mkdir -p "$OUT"
+BENCH="python3 scripts/sglang_engine_bench.py"
+case "${1:-}" in
+  tiny)
+    M=${GPUKIT_RUN:-/tmp}/tiny-llama
+    [ -f "$M/model.safetensors" ] || python3 .gpukit/device/make_tiny_llama.py "$M" > /dev/null
+    $BENCH --model "$M" --dtype bfloat16 --out "$OUT/tiny_tp1.json" --logs "$OUT/logs_tp1" --prompts-per-set 4 \
+      --max-new-tokens 128 --concurrency 1 4 --configs plain,adaptive_w1,adaptive --timeout 300
+    if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+      NGRAMSPEC_DRAFT_LOG="$OUT/drafts_tp2" $BENCH --model "$M" --dtype bfloat16 --tp 2 --out "$OUT/tiny_tp2.json" \
+        --logs "$OUT/logs_tp2" --prompts-per-set 4 --max-new-tokens 128 --concurrency 1 4 --configs plain,adaptive \
+        --timeout 300
+      python3 - "$OUT" <<'PY'
+import json, sys, filecmp
+out = sys.argv[1]
+tp1, tp2 = (json.load(open(f"{out}/tiny_{t}.json")) for t in ("tp1", "tp2"))
+for run, r in tp2["adaptive"]["runs"].items():
+    for ref_name in ("plain", "adaptive"):
+        ref = tp1[ref_name]["runs"][run]["output_ids"]
+        same = sum(a == b for a, b in zip(ref, r["output_ids"]))
+        print(f"TP=2 adaptive {run}: {same}/{len(ref)} outputs equal TP=1 {ref_name}")
+a, b = (open(f"{out}/drafts_tp2.rank{k}").read().splitlines() for k in (0, 1))
+print(f"draft hashes: rank0 {len(a)} steps, rank1 {len(b)} steps, identical: {a == b}")
+PY
+    fi
+    ;;
+  smollm2)
+    $BENCH --model "$2" --dtype float32 --out "$OUT/smollm2.json" --logs "$OUT/logs_smollm2" --prompts-per-set 16 \
+      --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive}" --timeout 400
+    ;;
+  *) echo "usage: $0 tiny | smollm2 MODEL_DIR [configs]" >&2; exit 2 ;;
+esac
