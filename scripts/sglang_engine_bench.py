@@ -103,11 +103,11 @@ def profile_snapshot(path: str) -> dict:
 
 def profile_delta(before: dict, after: dict) -> dict | None:
     """Per step: mean verify width, waiting / planning / launch host ms, over all kinds of step."""
-    tot = {k: 0.0 for k in ("steps", "requests", "width", "wait_s", "plan_s", "launch_s")}
+    tot = {k: 0.0 for k in ("steps", "requests", "width", "wait_s", "plan_s", "launch_s", "forward_s", "graph_steps")}
     kinds = {}
     for kind, row in after.items():
         old = before.get(kind, {})
-        d = {k: row[k] - old.get(k, 0) for k in tot}
+        d = {k: row.get(k, 0) - old.get(k, 0) for k in tot}
         kinds[kind] = int(d["steps"])
         for k in tot:
             tot[k] += d[k]
@@ -116,7 +116,8 @@ def profile_delta(before: dict, after: dict) -> dict | None:
         return None
     return {"steps": int(n), "mean_width": tot["width"] / n, "mean_batch": tot["requests"] / n,
             "host_ms_per_step": 1e3 * (tot["plan_s"] + tot["launch_s"]) / n, "wait_ms_per_step": 1e3 * tot["wait_s"] / n,
-            "plan_ms_per_step": 1e3 * tot["plan_s"] / n, "steps_by_kind": kinds}
+            "plan_ms_per_step": 1e3 * tot["plan_s"] / n, "forward_call_ms_per_step": 1e3 * tot["forward_s"] / n,
+            "graph_share": tot["graph_steps"] / n, "steps_by_kind": kinds}
 
 
 def run_one(name: str, a) -> dict:
