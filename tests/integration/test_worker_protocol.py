@@ -1,0 +1,94 @@
+"""The SGLang worker's per-step protocol on CPU (no sglang): plan first on the tokens the host has (one step
+behind, no wait); wait for exact tokens only when that plan drafts or the last step drafted. Replayed through the
+real DraftPlanner and controller with modelled step costs and greedy verification against known outputs."""
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ngramspec.layout import accepted_path
+from ngramspec_sglang.config import AdaptiveConfig
+from ngramspec_sglang.drafting import DraftPlanner, RequestView
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "agent_swe_gpt4_dev.jsonl.gz"
+
+
+def parents(mask: np.ndarray, k: int) -> list[int]:
+    """Draft-relative parents of nodes 1..k of a [w, w] ancestor mask (row 0 = root)."""
+    out = []
+    for i in range(1, k + 1):
+        anc = [j for j in range(1, i) if mask[i, j]]
+        out.append(anc[-1] - 1 if anc else -1)
+    return out
+
+
+def replay(requests, plain_ms, verify_ms, lagged=True):
+    """Serve `requests` (prompt, output) one at a time as the worker does; returns (tokens/s relative to plain,
+    share of steps that waited, share of steps that verified, the planner)."""
+    planner = DraftPlanner(AdaptiveConfig(widths=(1, 2, 3, 4, 6, 8, 12, 16), capacity=1 << 20))
+    time_ms = tokens = steps = waits = verifies = 0
+    drafted_last = False
+    for rid, (prompt, truth) in enumerate(requests):
+        output, pending = [], []  # pending: the last step's tokens, still on the device under overlap
+        while len(output) + len(pending) < len(truth):
+            behind = lagged and not drafted_last
+            plan = planner.plan([RequestView(rid, prompt, output, () if behind else pending)])
+            if behind and plan.width > 1:  # drafting looks worth it: wait for exact tokens, plan again
+                plan = planner.plan([RequestView(rid, prompt, output, pending)])
+                behind = False
+            waits += not behind
+            output = output + list(pending)
+            if plan.width > 1:
+                k = int(plan.drafted[0])
+                n = 1 + len(accepted_path(plan.tokens[0, 1:1 + k], parents(plan.mask[0], k), truth[len(output):]))
+                ms = verify_ms(plan.width)
+                verifies += 1
+            else:
+                n, ms = 1, plain_ms
+            pending = truth[len(output):len(output) + n]
+            planner.record_duration(plan.width, 1, ms / 1000.0)
+            time_ms, tokens, steps = time_ms + ms, tokens + len(pending), steps + 1
+            drafted_last = plan.width > 1
+        planner.release([rid])
+        assert rid not in planner.tracked_requests
+    return (tokens / time_ms) * plain_ms, waits / steps, verifies / steps, planner
+
+
+def copy_requests(n=12, seed=0):
+    """Requests whose outputs copy long stretches of their prompts (code edits)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        prompt = rng.integers(0, 5000, 300).tolist()
+        output = []
+        while len(output) < 200:
+            start = int(rng.integers(0, 250))
+            output += prompt[start:start + int(rng.integers(10, 40))] + rng.integers(0, 5000, 3).tolist()
+        out.append((prompt, output[:200]))
+    return out
+
+
+def test_drafts_where_it_pays_and_waits_only_around_drafting_steps():
+    rel, wait_share, verify_share, _ = replay(copy_requests(), 3.0, lambda w: 3.0 * (1.6 + 0.02 * w))
+    assert verify_share > 0.3 and rel > 1.3  # copying pays even when a drafting step costs 1.6-1.9 plain steps
+    assert wait_share <= 2 * verify_share + 0.05  # a wait precedes or follows a drafting step, nothing else
+
+
+def test_never_waits_or_drafts_on_text_that_never_repeats():
+    rng = np.random.default_rng(1)
+    requests = [(rng.integers(0, 50000, 200).tolist(), rng.integers(0, 50000, 150).tolist()) for _ in range(6)]
+    rel, wait_share, verify_share, _ = replay(requests, 3.0, lambda w: 3.0 * (1.6 + 0.02 * w))
+    assert verify_share == 0 and wait_share == 0 and rel == pytest.approx(1.0)
+
+
+def test_planning_one_step_behind_loses_little_against_exact_tokens():
+    if not TRACE.is_file():
+        pytest.skip(f"{TRACE} not present")
+    with gzip.open(TRACE, "rt") as f:
+        requests = [(r["prompt"], r["output"]) for r in map(json.loads, f)]
+    cost = lambda w: 3.0 * (1.3 + 0.02 * w)  # noqa: E731
+    behind, _, _, _ = replay(requests, 3.0, cost, lagged=True)
+    exact, _, _, _ = replay(requests, 3.0, cost, lagged=False)
+    assert behind > 1.0 and behind >= 0.95 * exact
