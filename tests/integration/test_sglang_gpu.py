@@ -4,6 +4,10 @@ Run on a GPU machine (docs/sglang.md):
 
     pip install -e '.[sglang,test]'
     NGRAMSPEC_SGLANG_MODEL=HuggingFaceTB/SmolLM2-135M-Instruct pytest tests/integration/test_sglang_gpu.py -m sglang -v
+
+`NGRAMSPEC_SGLANG_DTYPE` (default float32) and `NGRAMSPEC_SGLANG_ENGINE_ARGS` (a JSON object of extra
+`sglang.Engine` arguments, e.g. '{"attention_backend": "triton", "sampling_backend": "pytorch"}' where FA3 or
+flashinfer are not installed) adapt it to the machine.
 """
 import json
 import os
@@ -19,6 +23,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 MODEL = os.environ.get("NGRAMSPEC_SGLANG_MODEL", "HuggingFaceTB/SmolLM2-135M-Instruct")
+DTYPE = os.environ.get("NGRAMSPEC_SGLANG_DTYPE", "float32")
+ENGINE_ARGS = json.loads(os.environ.get("NGRAMSPEC_SGLANG_ENGINE_ARGS") or "{}")
 PASSAGE = (
     "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
     "        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n"
@@ -36,8 +42,8 @@ SAMPLING = {"temperature": 0, "max_new_tokens": 96}
 def generate(**engine_args):
     import sglang
 
-    engine = sglang.Engine(model_path=MODEL, dtype="float32", mem_fraction_static=0.5,
-                           max_running_requests=8, log_level="error", **engine_args)
+    engine = sglang.Engine(model_path=MODEL, dtype=DTYPE, mem_fraction_static=0.5,
+                           max_running_requests=8, log_level="error", **{**ENGINE_ARGS, **engine_args})
     try:
         return engine.generate(PROMPTS, SAMPLING)
     finally:
