@@ -198,8 +198,10 @@ def propose_batch(slots, budgets, tree, max_depth,
     """Draft for every request of a batch in one call. Output is flat; request i owns offsets[i]:offsets[i+1].
 
     Source choice: the longer match wins (own history vs shared cache); on a tie, own history. Match lengths are
-    found incrementally: a match can grow by at most the number of tokens added since the last proposal, so
-    only the shared cache's changes (new finished requests) force a full-depth search.
+    found incrementally: a match can grow by at most the number of tokens added since the last proposal (also
+    in a trie that dropped occurrences: an indexed n-gram's prefixes were indexed when it was), so only the
+    shared cache's changes (new finished requests) force a full-depth search. The bound only saves work: a
+    draft is a function of the tokens fed, never of when or how often ``propose`` was called.
     """
     B = slots.shape[0]
     maxb = 1

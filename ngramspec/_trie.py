@@ -15,6 +15,11 @@ when a second occurrence follows it. So a token that extends only never-seen con
 O(1) work, and repeated material costs O(D). Invariant: a tail's first token differs from every child's token.
 
 Positions in the trie are (node, off): off == 0 is the node itself; off > 0 is ``off`` tokens into its tail.
+
+A full pool drops occurrences (they are simply not indexed). Then a longer n-gram may be indexed while its
+suffix is not (``count([1, 0]) == 1``, ``count([0]) == 0``), so "the suffix of length m has a match" is no
+longer monotone in m. A root carries no token, so its TOK column records this: ``COMPLETE`` (-1, as allocated)
+until its trie first drops an occurrence, ``PARTIAL`` from then on; ``longest_match`` searches accordingly.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ from numba import njit
 TOK, PAR, CNT, TAIL, CHILD, NEXT, PREV, DEP = range(8)
 NODE_FIELDS = 8
 M_FREE, M_HIGH, M_LIVE, M_CAP, M_RESERVE = range(5)
+COMPLETE, PARTIAL = -1, -2  # a root's TOK: has its trie ever dropped an occurrence?
+DROPPED = -2  # extend(): the occurrence was dropped (no free node)
 
 
 def new_trie(capacity: int):
@@ -175,7 +182,7 @@ def extend(nodes, table, meta, n, token, pos, arena, alen, max_depth):
     """One occurrence standing at node ``n`` continues with ``token`` (at arena position ``pos``).
 
     Returns the node the occurrence now stands at, or -1 when it needs no more work: it reached depth D, or it
-    now rides a tail whose later tokens the arena supplies by itself. A full trie drops the occurrence (-1).
+    now rides a tail whose later tokens the arena supplies by itself. A full trie drops the occurrence (DROPPED).
     """
     c = find_child(nodes, table, n, token)
     if c >= 0:
@@ -187,7 +194,7 @@ def extend(nodes, table, meta, n, token, pos, arena, alen, max_depth):
     if tail_tok == token:  # second occurrence after a unique tail: materialize one node
         c = alloc_node(nodes, table, meta, n, token, depth)
         if c < 0:
-            return -1
+            return DROPPED
         nodes[c, CNT] = 2
         nodes[n, TAIL] = -1
         if depth < max_depth:
@@ -201,7 +208,7 @@ def extend(nodes, table, meta, n, token, pos, arena, alen, max_depth):
         return -1
     c = alloc_node(nodes, table, meta, n, token, depth)
     if c < 0:
-        return -1
+        return DROPPED
     nodes[c, CNT] = 1
     # ride our own continuation: in a request's history it is still to come (pos + 1 == alen); in the shared
     # ring a -1 there means this output ended, and no pointer may outlive its segment
@@ -215,16 +222,28 @@ def insert_token(nodes, table, meta, root, active, arena, alen, pos, max_depth):
     """Index the token at arena[pos]: extend every active suffix ending at pos-1, start a new one at pos.
 
     ``active[D]`` holds, for each start s with pos-s < D, the node its occurrence stands at (slot s % D), -1 if
-    it needs no more work. O(D) in the worst case, O(1) for text never seen before.
+    it needs no more work. O(D) in the worst case, O(1) for text never seen before. An occurrence dropped for
+    want of nodes stays dropped, and marks the trie ``PARTIAL``.
     """
     token = arena[pos]
     nodes[root, CNT] += 1
+    dropped = False
     for s in range(max(0, pos - max_depth + 1), pos):
         k = s % max_depth
         n = active[k]
         if n >= 0:
-            active[k] = extend(nodes, table, meta, n, token, pos, arena, alen, max_depth)
-    active[pos % max_depth] = extend(nodes, table, meta, root, token, pos, arena, alen, max_depth)
+            n = extend(nodes, table, meta, n, token, pos, arena, alen, max_depth)
+            if n == DROPPED:
+                dropped = True
+                n = -1
+            active[k] = n
+    n = extend(nodes, table, meta, root, token, pos, arena, alen, max_depth)
+    if n == DROPPED:
+        dropped = True
+        n = -1
+    active[pos % max_depth] = n
+    if dropped:
+        nodes[root, TOK] = PARTIAL
 
 
 @njit(cache=True)
@@ -286,10 +305,12 @@ def has_continuation(nodes, arena, alen, n, off):
 
 @njit(cache=True)
 def longest_match(nodes, table, root, arena, alen, seq, slen, m_hi):
-    """Longest m <= m_hi such that seq[slen-m:slen] occurred in the trie with a continuation.
+    """Longest m <= m_hi such that seq[slen-m:slen] is indexed in the trie with a continuation.
 
-    Monotone in m (a longer match implies every shorter one), so try m_hi, then binary search.
-    Returns (m, node, off); m == 0 means no match.
+    In a complete trie this is monotone in m (a longer match implies every shorter one), so try m_hi, then
+    binary search. In a ``PARTIAL`` trie (one that dropped occurrences) it is not, so every length is tried from
+    m_hi down: the answer is the same function of the indexed n-grams either way, whatever m_hi was (as long as
+    it bounds the answer). Returns (m, node, off); m == 0 means no match.
     """
     m_hi = min(m_hi, slen)
     if m_hi <= 0:
@@ -297,6 +318,12 @@ def longest_match(nodes, table, root, arena, alen, seq, slen, m_hi):
     n, off = walk(nodes, table, root, arena, alen, seq, slen - m_hi, slen)
     if n >= 0 and has_continuation(nodes, arena, alen, n, off):
         return m_hi, n, off
+    if nodes[root, TOK] == PARTIAL:
+        for m in range(m_hi - 1, 0, -1):
+            n, off = walk(nodes, table, root, arena, alen, seq, slen - m, slen)
+            if n >= 0 and has_continuation(nodes, arena, alen, n, off):
+                return m, n, off
+        return 0, -1, 0
     lo, hi = 0, m_hi - 1
     best_n, best_off = -1, 0
     while lo < hi:

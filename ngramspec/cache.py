@@ -21,14 +21,14 @@ identical drafts: everything here is deterministic).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 
 import numpy as np
 from numba import typed
 
 from ngramspec import _draft, _shared, _trie
 
-MAX_TOKEN = 2**31 - 1  # token ids must lie in [0, 2**31 - 1): -1 marks "none", int32 storage
+MAX_TOKEN = 2**31 - 1  # the largest token id: ids lie in [0, 2**31) (int32 storage; -1 marks "none")
 MAX_BUDGET = 4096  # draft nodes per request and step
 
 
@@ -78,8 +78,9 @@ def _is_int(t) -> bool:
 def as_tokens(tokens, what: str = "tokens", allow_empty: bool = True) -> np.ndarray:
     """Validate token ids and return them as a contiguous int32 array.
 
-    TypeError: not a 1-D sequence of integers (floats, bools, strings, None, nested lists, object arrays).
-    ValueError: wrong shape, empty when not allowed, or an id outside [0, 2**31 - 1)."""
+    TypeError: not an ordered 1-D sequence of integers (floats, bools, strings, None, nested lists, object
+    arrays; sets and dicts, whose order is not a token order). ValueError: wrong shape, empty when not allowed,
+    or an id outside [0, 2**31)."""
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1:
             raise ValueError(f"{what} must be one-dimensional, got shape {tokens.shape}")
@@ -89,8 +90,9 @@ def as_tokens(tokens, what: str = "tokens", allow_empty: bool = True) -> np.ndar
         if arr.size:
             lo, hi = int(arr.min()), int(arr.max())
     else:
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
-            raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
+        if isinstance(tokens, (str, bytes, Set, Mapping)) or not isinstance(tokens, Iterable):
+            raise TypeError(f"{what} must be a list, tuple or 1-D array of integer token ids, got "
+                            f"{type(tokens).__name__}")
         items = tokens if isinstance(tokens, list) else list(tokens)
         for t in items:
             if not _is_int(t):
@@ -102,9 +104,9 @@ def as_tokens(tokens, what: str = "tokens", allow_empty: bool = True) -> np.ndar
         if not allow_empty:
             raise ValueError(f"{what} must not be empty")
         return np.zeros(0, dtype=np.int32)
-    if lo < 0 or hi >= MAX_TOKEN:
+    if lo < 0 or hi > MAX_TOKEN:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"{what}: token id {bad} is out of range [0, {MAX_TOKEN})")
+        raise ValueError(f"{what}: token id {bad} is out of range [0, {MAX_TOKEN + 1})")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
@@ -183,9 +185,12 @@ class NgramCache:
 
     def add_tokens_batch(self, rids: Sequence[Hashable], token_lists: Sequence) -> None:
         """``add_tokens`` for a whole batch in one jitted call. Validates everything before changing anything."""
+        slots = self._slots(rids)
+        if isinstance(token_lists, (str, bytes)) or not isinstance(token_lists, (Sequence, np.ndarray)):
+            raise TypeError(f"token_lists must be a list with one token list per request, got "
+                            f"{type(token_lists).__name__}")
         if len(rids) != len(token_lists):
             raise ValueError(f"{len(rids)} request ids but {len(token_lists)} token lists")
-        slots = self._slots(rids)
         if len(set(slots)) != len(slots):
             raise ValueError("a request id appears twice in one batch")
         flat = None
@@ -314,6 +319,10 @@ class NgramCache:
         return (int(self._ring[_shared.S_HEAD]) + np.arange(int(self._ring[_shared.S_COUNT]))) % n_seg
 
     def _slots(self, rids: Sequence[Hashable]) -> list[int]:
+        if (isinstance(rids, (str, bytes)) or not isinstance(rids, (Sequence, np.ndarray))
+                or (isinstance(rids, np.ndarray) and rids.ndim != 1)):
+            raise TypeError(f"request ids must come as a list (one per request, e.g. [rid]), got "
+                            f"{type(rids).__name__} {rids!r}")
         try:
             return [self._slot_of[r] for r in rids]
         except KeyError as e:

@@ -38,7 +38,7 @@ def assert_valid_batch(batch: DraftBatch, budgets, tree: bool = True) -> None:
             p = int(d.parents[j])
             assert -1 <= p < j
             assert 0 < d.probs[j] <= (1.0 if p < 0 else d.probs[p]) + 1e-6
-        assert np.all((d.tokens >= 0) & (d.tokens < MAX_TOKEN))
+        assert np.all((d.tokens >= 0) & (d.tokens <= MAX_TOKEN))
         assert set(d.sources.tolist()) <= {0, 1}
 
 
@@ -113,7 +113,10 @@ BAD_TOKENS = {  # name: (tokens, exception)
     "0-D array": (np.array(5), ValueError),
     "negative": ([3, -1], ValueError),
     "negative array": (np.array([-5], dtype=np.int64), ValueError),
-    "2**31-1": ([2**31 - 1], ValueError),
+    "a set": ({1, 2}, TypeError),
+    "a frozenset": (frozenset([3]), TypeError),
+    "a dict": ({1: 2}, TypeError),
+    "dict keys": ({1: 2}.keys(), TypeError),
     "2**31": ([2**31], ValueError),
     "int64 2**40": (np.array([2**40]), ValueError),
     "uint64 2**63": (np.array([2**63], dtype=np.uint64), ValueError),
@@ -150,6 +153,13 @@ BAD_CALLS = {  # name: (call, exception, message pattern)
     "budgets length differs": (_propose(RIDS, [8]), ValueError, "budgets"),
     "budgets 2-D": (_propose(RIDS, [[8], [8]]), (TypeError, ValueError), "budget"),
     "propose id twice": (_propose(["a", "a", 7], 4), ValueError, "twice"),
+    "propose a bare int id": (_propose(7, 4), TypeError, "list"),
+    "propose a bare str id": (_propose("a", 4), TypeError, "list"),
+    "propose a set of ids": (_propose({"a", 7}, 4), TypeError, "list"),
+    "propose a 2-D id array": (_propose(np.array([[7]]), 4), TypeError, "list"),
+    "batch, a bare id": (_batch("a", [[1]]), TypeError, "list"),
+    "batch, a dict of token lists": (_batch(RIDS, {"a": [1], 7: [2]}), TypeError, "token_lists"),
+    "batch, one str of tokens": (_batch(["a"], "1"), TypeError, "token_lists"),
     "history of unknown id": (lambda c: c.history("ghost"), KeyError, "ghost"),
     "match_length of unknown id": (lambda c: c.match_length("ghost"), KeyError, "ghost"),
     "match_length bad source": (lambda c: c.match_length("a", source="both"), ValueError, "source"),
@@ -247,6 +257,24 @@ def test_returned_arrays_are_copies():
     for arr in (batch.tokens, batch.parents, batch.probs, batch.sources, batch.offsets):
         arr[:] = 0
     assert_same_state(bad, twin)
+
+
+def test_largest_token_id_is_accepted_indexed_and_drafted():
+    """docs/api.md: token ids lie in [0, 2**31). The largest, 2**31 - 1, is an ordinary token."""
+    top = 2**31 - 1
+    assert MAX_TOKEN == top
+    cache = NgramCache(**CONFIG)
+    cache.start_request("r", [5])
+    cache.add_tokens("r", [top, 3, top])
+    cache.add_tokens("r", np.array([3], dtype=np.int64))
+    assert cache.history("r").tolist() == [5, top, 3, top, 3]
+    assert cache.count([top, 3], rid="r") == 2
+    d = cache.propose(["r"], 2, tree=False).draft(0)
+    assert d.tokens.tolist() == [top, 3]
+    cache.finish_request("r", share=True)
+    assert cache.count([3, top], source="shared") == 1
+    cache.start_request("s", [7, 3])
+    assert cache.propose(["s"], 1).draft(0).tokens.tolist() == [top]
 
 
 def test_unhashable_request_id_is_a_type_error():

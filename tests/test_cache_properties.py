@@ -185,3 +185,80 @@ def test_full_local_pool_degrades_without_crashing():
     d = cache.propose(["a"], 8).draft(0)
     check_tree(d.tokens, d.parents)
     check_invariants(cache._l_nodes, cache._l_table, cache._l_meta, cache._hists[0], 2500, 8)
+
+
+# ------------------------------------------------------------------------------- full pools: partial indexing
+def brute_match_indexed(cache, rid, source, vocab, D):
+    """Longest m <= D-1 whose suffix of the request's history is indexed with some continuation, read through
+    ``count`` alone: the definition of a match, over what a (possibly full) pool actually indexed."""
+    hist = cache.history(rid).tolist()
+    for m in range(min(D - 1, len(hist)), 0, -1):
+        if any(cache.count(hist[len(hist) - m:] + [c], source=source, rid=rid) for c in vocab):
+            return m
+    return 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_drafts_are_a_function_of_the_tokens_fed_under_full_pools(seed):
+    """Twin caches fed the same tokens propose identical drafts, however many extra proposals one of them made
+    in between, on pools so small that occurrences are dropped all the time; and every proposal's match
+    length is the longest suffix indexed with a continuation (brute force over ``count``)."""
+    rng = np.random.default_rng(seed)
+    depth, R, vocab = int(rng.integers(3, 7)), 4, range(int(rng.integers(2, 4)))
+    use_shared = bool(rng.random() < 0.5)
+    cfg = dict(max_depth=depth, max_requests=R, local_nodes=R + int(rng.integers(1, 40)), shared_nodes=200,
+               shared_tokens=64, shared_segments=4, use_shared=use_shared)
+    busy, quiet = NgramCache(**cfg), NgramCache(**cfg)  # busy also proposes when quiet does not
+    live: list[int] = []
+    for _ in range(40):
+        op, rid = rng.choice(["start", "add", "add", "propose", "propose", "finish"]), int(rng.integers(0, R))
+        toks = rng.integers(0, len(vocab), int(rng.integers(0, 30))).tolist()
+        if op == "start" and rid not in live and toks:
+            for c in (busy, quiet):
+                c.start_request(rid, toks)
+            live.append(rid)
+        elif op == "add" and rid in live:
+            for c in (busy, quiet):
+                c.add_tokens(rid, toks)
+        elif op == "finish" and rid in live:
+            for c in (busy, quiet):
+                c.finish_request(rid, share=True)
+            live.remove(rid)
+        elif op == "propose" and live:
+            rids = live[rid % len(live):] + live[:rid % len(live)]
+            budget, tree = int(rng.integers(1, 9)), bool(rng.random() < 0.5)
+            got = busy.propose(rids, budget, tree=tree)
+            if rng.random() < 0.5:
+                ref = quiet.propose(rids, budget, tree=tree)
+                for name in ("offsets", "tokens", "parents", "probs", "sources", "match_lens"):
+                    np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
+            for i, r in enumerate(rids):
+                want = brute_match_indexed(busy, r, "own", vocab, depth)
+                if use_shared:
+                    want = max(want, brute_match_indexed(busy, r, "shared", vocab, depth))
+                assert got.match_lens[i] == want, (r, busy.history(r).tolist())
+                check_tree(got.draft(i).tokens, got.draft(i).parents)
+    for c in (busy, quiet):
+        check_invariants(c._l_nodes, c._l_table, c._l_meta, np.zeros(0, np.int32), 0, depth)
+    assert busy.stats() == quiet.stats()
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_full_pool_proposal_does_not_depend_on_an_earlier_proposal(tree):
+    """The case that showed it: with the pool full, ``count([1, 0]) == 1`` while ``count([0]) == 0`` for
+    request 2, and one extra ``propose`` before ``add_tokens`` used to change the next draft."""
+    cfg = dict(max_depth=4, max_requests=4, local_nodes=13, shared_nodes=4096, shared_tokens=4096)
+    prompts = [[1, 1, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 0, 1, 0, 1],
+               [1, 0, 1, 1, 1, 0, 1, 1, 1, 0, 0, 1, 1, 1, 0]]
+    busy, quiet = NgramCache(**cfg), NgramCache(**cfg)
+    for c in (busy, quiet):
+        for rid, p in enumerate(prompts):
+            c.start_request(rid, p)
+    busy.propose([2], 4, tree=tree)
+    for c in (busy, quiet):
+        c.add_tokens(2, [1, 0])
+    assert busy.count([1, 0], rid=2) == 1 and busy.count([0], rid=2) == 0  # the pool dropped occurrences
+    a, b = busy.propose([2], 4, tree=tree), quiet.propose([2], 4, tree=tree)
+    assert a.tokens.tolist() == b.tokens.tolist() and a.match_lens.tolist() == b.match_lens.tolist()
+    assert a.match_lens[0] == busy.match_length(2) == brute_match_indexed(busy, 2, "own", range(3), 4)
