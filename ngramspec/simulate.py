@@ -350,14 +350,16 @@ def plot(rows: list[dict], path: str) -> None:
     n_panels = len(panels) + len(batches)
     fig, axes = plt.subplots(n_panels, 1, figsize=(max(7.0, 1.1 * len(traces) * (len(real) + 1)),
                                                   3.3 * n_panels), squeeze=False)
-    width = 0.8 / len(real)
+    slots = len(real) + (1 if bounds else 0)  # the bounds' markers get their own slot, right of the bars
+    width = 0.8 / slots
     x = np.arange(len(traces))
+    bound_x = x + (len(real) - (slots - 1) / 2) * width
 
     def bars(ax, metric, pick):
         top = 0.0
         for m, method in enumerate(real):
             values = np.array([pick(trace, method)[metric] if pick(trace, method) else np.nan for trace in traces])
-            pos = x + (m - (len(real) - 1) / 2) * width
+            pos = x + (m - (slots - 1) / 2) * width
             ax.bar(pos, values, width, label=method, color=color[method])
             for xi, v in zip(pos, values):
                 if np.isfinite(v):
@@ -371,9 +373,9 @@ def plot(rows: list[dict], path: str) -> None:
         for b, method in enumerate(bounds):
             values = np.array([pick(trace, method)[metric] if pick(trace, method) else np.nan for trace in traces])
             shown = np.minimum(values, ceiling)
-            ax.scatter(x, shown, marker=markers[b % len(markers)], s=60, color="black", zorder=3,
+            ax.scatter(bound_x, shown, marker=markers[b % len(markers)], s=60, color="black", zorder=3,
                        label=f"bound: {method}")
-            for xi, v, sv in zip(x, values, shown):
+            for xi, v, sv in zip(bound_x, values, shown):
                 if np.isfinite(v):
                     clipped = v > ceiling
                     ax.annotate(f"{v:.2f}" + ("↑" if clipped else ""), (xi, sv), xytext=(7, -3),

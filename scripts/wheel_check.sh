@@ -6,14 +6,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_PY=${1:-.venv/bin/python}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$BUILD_PY" -m build --outdir "$tmp/dist" . > "$tmp/build.log" 2>&1 || { tail -n 30 "$tmp/build.log"; exit 1; }
 wheel=$(ls "$tmp"/dist/ngramspec-*.whl)
 echo "built $(basename "$wheel") and $(basename "$(ls "$tmp"/dist/ngramspec-*.tar.gz)")"
+unset PYTHONPATH  # from here on, only what the fresh venv holds
 "${PYTHON:-python3}" -m venv "$tmp/venv"
-"$tmp/venv/bin/pip" install -q "$wheel"
-echo "installed into a fresh venv: $("$tmp/venv/bin/pip" list --format=freeze | tr '\n' ' ')"
+"$tmp/venv/bin/pip" install -q "$wheel" 2>&1 | { grep -v "^WARNING: Location" || true; }
+echo "installed into a fresh venv: $("$tmp/venv/bin/pip" list --format=freeze | grep -v -e "^pip=" -e "^setuptools=" | tr '\n' ' ')"
 cd "$tmp"  # nothing of the repository is importable from here
 "$tmp/venv/bin/python" - <<'PY'
 import gzip, json, random
@@ -21,7 +23,7 @@ random.seed(0)
 phrase = [random.randrange(1000) for _ in range(40)]
 with gzip.open("tiny.jsonl.gz", "wt") as fh:
     for i in range(6):
-        prompt = [random.randrange(1000) for _ in range(30)] + phrase[:10]
+        prompt = phrase + [random.randrange(1000) for _ in range(30)] + phrase[:10]  # the phrase, then its start
         fh.write(json.dumps({"id": i, "prompt": prompt, "output": phrase[10:] + [i]}) + "\n")
 with open("tiny_text.jsonl", "w") as fh:  # a text log needs --tokenizer: the error must say so, in one line
     fh.write(json.dumps({"prompt": "hello", "output": "world"}) + "\n")

@@ -213,3 +213,25 @@ def test_suggested_width_rounds_up_to_a_plugin_width():
     assert simulate.suggested_width({"1": 50, "5": 40, "16": 10}) == 16
     assert simulate.suggested_width({"1": 500, "5": 400, "16": 1}) == 6
     assert simulate.suggested_width({"1": 10}) == 2
+
+
+# --- demo helpers (no model needed) -------------------------------------------------------------------------
+
+def test_demo_cache_after_holds_the_history_only():
+    from ngramspec.engine.demo import cache_after
+
+    cache = cache_after([([1, 2, 3], [4, 5, 6, 7])])
+    assert cache.count([5, 6, 7], source="shared") == 1
+    assert cache.count([9, 9], source="shared") == 0
+    assert cache_after([]).count([5, 6], source="shared") == 0
+
+
+def test_demo_busy_cpu_caveat():
+    from ngramspec.engine.demo import busy_cpu_caveat
+
+    steady = [[10.0, 10.2, 9.9], [30.0, 30.5, 29.8]]
+    assert busy_cpu_caveat("cpu", steady, load=0.3, cpus=2) is None
+    assert busy_cpu_caveat("cuda", [[1.0, 5.0]], load=9.0, cpus=2) is None
+    line = busy_cpu_caveat("cpu", steady, load=3.5, cpus=2)
+    assert line.startswith("caveat: busy CPU") and "\n" not in line
+    assert "50%" in busy_cpu_caveat("cpu", [[10.0, 15.0]], load=0.1, cpus=2)

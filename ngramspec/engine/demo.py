@@ -105,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     from ngramspec.cache import warm_up
 
     warm_up()
-    for _ in range(2):
-        decoder.generate([prompts[0]], args.max_new_tokens, eos_token_id=eos)
-        decoder.generate([prompts[0]], args.max_new_tokens, policy=make_policy(spec), cache=NgramCache(),
-                         rids=["warm-up"], eos_token_id=eos)
+    decoder.generate([prompts[0]], args.max_new_tokens, eos_token_id=eos)
+    decoder.generate([prompts[0]], args.max_new_tokens, policy=make_policy(spec), cache=NgramCache(),
+                     rids=["warm-up"], eos_token_id=eos)
 
     rows, outputs, history = [], [], []
     total = 2 * len(prompts) * args.max_new_tokens * args.repeats
