@@ -103,11 +103,17 @@ class HFTokenizer(Tokenizer):
                 from transformers import AutoTokenizer
             except ImportError:
                 AutoTokenizer = None
+            failure = None
             if AutoTokenizer is not None:
-                self._hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-                return
+                try:
+                    self._hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+                    return
+                except (OSError, ValueError, KeyError) as exc:  # e.g. a folder with a bare tokenizer.json
+                    failure = f"transformers could not read it ({str(exc).splitlines()[0] if str(exc) else exc!r})"
             path = path / "tokenizer.json"
             if not path.is_file():
+                if failure:
+                    raise ValueError(f"{path.parent}: not a tokenizer folder: {failure}")
                 raise MissingPackage(f"{path.parent}: has no tokenizer.json; reading it needs the optional package "
                                      "'transformers' (pip install transformers)")
         tokenizers = _require("tokenizers", "tokenizers", "a tokenizer.json file")

@@ -235,3 +235,22 @@ def test_demo_busy_cpu_caveat():
     line = busy_cpu_caveat("cpu", steady, load=3.5, cpus=2)
     assert line.startswith("caveat: busy CPU") and "\n" not in line
     assert "50%" in busy_cpu_caveat("cpu", [[10.0, 15.0]], load=0.1, cpus=2)
+
+
+def test_hugging_face_tokenizer_folder_with_a_chat_template(tmp_path, word_tokenizer):
+    """A tokenizer folder as `save_pretrained` writes it: read by AutoTokenizer, chats rendered by its template."""
+    transformers = pytest.importorskip("transformers")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(word_tokenizer), unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}" \
+                         "{% if add_generation_prompt %}assistant :{% endif %}"
+    folder = tmp_path / "tok"
+    fast.save_pretrained(str(folder))
+    tok = load_tokenizer(folder)
+    chat = [{"role": "user", "content": "the cat"}]
+    assert tok.render_chat(chat) == [8, 10, 3, 4, 9, 10]  # user : the cat assistant :
+    rec = tokenize_record({"messages": chat + [{"role": "assistant", "content": "a dog"}]}, tok, "r")
+    assert rec == {"prompt": [8, 10, 3, 4, 9, 10], "output": [11, 12]}
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_text(word_tokenizer.read_text())
+    assert load_tokenizer(bare).encode("the mat") == [3, 7]  # a folder with only tokenizer.json
