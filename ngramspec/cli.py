@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as exc:
         print(missing_package_line(command, exc), file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `ngramspec profiles | head`: the reader left, nothing more to say
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ with open("tiny_text.jsonl", "w") as fh:  # a text log needs --tokenizer: the er
 PY
 ngs="$tmp/venv/bin/ngramspec"
 "$ngs" --version
-"$ngs" profiles | head -n 3
+"$ngs" profiles > profiles.txt && grep -q "^h200-llama8b:" profiles.txt && grep -q "^seed-pcie8:" profiles.txt
 "$ngs" simulate tiny.jsonl.gz --profile h200-llama8b --no-progress | tee answer.txt
 grep -q "NGRAM_ADAPTIVE" answer.txt
 "$ngs" simulate tiny.jsonl.gz --method prompt-lookup:k=8 --profile seed-pcie8 --no-progress --json rows.json > /dev/null
@@ -40,6 +40,12 @@ if "$ngs" simulate tiny_text.jsonl --method none --profile seed-pcie8 2> err.txt
   echo "a text trace without --tokenizer should fail" >&2; exit 1
 fi
 [ "$(wc -l < err.txt)" -eq 1 ] && grep -q tokenizer err.txt || { cat err.txt >&2; exit 1; }
+# optional packages absent here (torch for the demo, matplotlib for plots): one line each, no traceback
+for cmd in "demo" "simulate tiny.jsonl.gz --method none --profile seed-pcie8 --no-progress --plot p.png"; do
+  if $ngs $cmd > /dev/null 2> err.txt; then echo "ngramspec $cmd should fail without its optional package" >&2; exit 1; fi
+  [ "$(wc -l < err.txt)" -eq 1 ] && grep -q "pip install" err.txt || { cat err.txt >&2; exit 1; }
+  cat err.txt
+done
 "$tmp/venv/bin/python" - <<'PY'
 from importlib.metadata import entry_points
 import ngramspec, ngramspec_sglang
