@@ -3,10 +3,17 @@ terminal summary prints them as one Markdown table (ngramspec vs the anchors, sa
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
+# the library reads dev traces only from $NGRAMSPEC_DATA: point it at the shared data beside the repository
+_SHARED = Path(__file__).resolve().parents[2] / "shared"
+if _SHARED.is_dir():
+    os.environ.setdefault("NGRAMSPEC_DATA", str(_SHARED))
+
 _ROWS: list[dict] = []
+_SIM_ROWS: list[dict] = []
 
 COLUMNS = [  # (extra_info key, header); times are µs of CPU unless marked wall
     ("trace", "trace"), ("method", "method"), ("batch", "batch"), ("mean_batch", "mean batch"),
@@ -26,6 +33,12 @@ def core_rows():
     return _ROWS
 
 
+@pytest.fixture
+def sim_rows():
+    """Summary rows of the replay benchmarks (bench/test_bench_sim.py), printed at the end."""
+    return _SIM_ROWS
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"
@@ -36,7 +49,23 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _sim_summary(tr) -> None:
+    rows = sorted(_SIM_ROWS, key=lambda r: (r["batch"], r["method"]))
+    profiles = sorted({k[len("speedup_"):] for r in rows for k in r if k.startswith("speedup_")})
+    tr.section("replay: accept length and simulated speedup vs plain decoding (same trace, same run)")
+    heads = ["trace", "method", "batch", "tokens/step", "drafted/step", "accept rate"] + \
+        [f"speedup {p}" for p in profiles] + ["proposer µs/token", "replay tok/s"]
+    tr.write_line("| " + " | ".join(heads) + " |")
+    tr.write_line("|" + "|".join("---" for _ in heads) + "|")
+    for r in rows:
+        cells = [r["trace"], r["method"], r["batch"], r["accept_len"], r["drafted_per_step"], r["accept_rate"]] + \
+            [r.get(f"speedup_{p}") for p in profiles] + [r["proposer_us_per_token"], r["replay_tokens_per_s"]]
+        tr.write_line("| " + " | ".join(_fmt(c) for c in cells) + " |")
+
+
 def pytest_terminal_summary(terminalreporter):
+    if _SIM_ROWS:
+        _sim_summary(terminalreporter)
     if not _ROWS:
         return
     rows = sorted(_ROWS, key=lambda r: (str(r.get("trace")), r.get("batch", 0), str(r.get("method"))))

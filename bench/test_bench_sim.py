@@ -1,11 +1,16 @@
 """Replay benchmarks on the dev traces: `pytest bench/ --benchmark-only`.
 
-Each benchmark times one full replay of a trace by a method (batch 1 and 32); `extra_info` holds the
-acceptance figures (accept_len, drafted_per_step, accept_rate), the speedup under each built-in profile,
-the method's own proposer latency per token and the replay speed. Skips cleanly without `../shared/traces`
-or without a method's package.
+Each benchmark times full replays of a trace by a method (batch 1 and 32), `ROUNDS` rounds (default 3,
+`NGRAMSPEC_BENCH_ROUNDS` to change), each on a fresh method. `extra_info` holds the acceptance figures
+(accept_len, drafted_per_step, accept_rate), the speedup under each built-in profile, the method's own proposer
+latency per token and the replay speed; the terminal summary prints accept length and speedup per method.
+Methods whose drafts depend on the cost profile (`ngramspec-adaptive`, `oracle-ctl`) are replayed, and
+benchmarked, once per profile. Skips cleanly without the dev traces (`$NGRAMSPEC_DATA/traces`, set by
+bench/conftest.py) or without a method's package.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -16,8 +21,11 @@ from ngramspec.traces import dev_trace_paths, load_trace
 
 TRACES = {p.name.split(".")[0]: p for p in dev_trace_paths()}
 BENCH_TRACE = "mtbench_vicuna7b"  # the smallest multi-request trace: fast enough to run every method
+ROUNDS = int(os.environ.get("NGRAMSPEC_BENCH_ROUNDS", "3"))
 METHODS = ["none", "prompt-lookup:k=8", "oracle:k=8", "ngramspec-chain:k=8", "ngramspec-tree:k=8",
            "sglang-ngram:d=9", "sglang-ngram", "arctic-suffix:k=8", "arctic-suffix:k=8,tree=1"]
+PER_PROFILE = ["ngramspec-adaptive", "oracle-ctl:k=15"]  # replayed under each profile
+CASES = [(spec, None) for spec in METHODS] + [(spec, p) for spec in PER_PROFILE for p in BUILTIN_PROFILES]
 
 pytestmark = pytest.mark.skipif(BENCH_TRACE not in TRACES, reason="shared dev traces are absent")
 
@@ -40,17 +48,30 @@ def baselines(trace):
 
 
 @pytest.mark.parametrize("batch", [1, 32])
-@pytest.mark.parametrize("spec", METHODS)
-def test_replay(benchmark, trace, baselines, spec, batch):
+@pytest.mark.parametrize("spec,profile", CASES, ids=[s if p is None else f"{s}@{p}" for s, p in CASES])
+def test_replay(benchmark, sim_rows, trace, baselines, spec, profile, batch):
     _method_or_skip(spec)
-    run = benchmark.pedantic(lambda: replay(trace, make_method(spec), batch), rounds=1, iterations=1)
-    rows = {p: summarize(run, get_profile(p), baselines[batch]) for p in BUILTIN_PROFILES}
-    first = rows[BUILTIN_PROFILES[0]]
-    benchmark.extra_info.update({
-        "trace": trace.name, "method": spec, "batch": batch, "tokens": run.tokens,
+    bound = get_profile(profile) if profile else None
+    runs = []
+
+    def one_replay():
+        runs.append(replay(trace, make_method(spec), batch, bound))
+
+    benchmark.pedantic(one_replay, rounds=ROUNDS, iterations=1)
+    run = runs[-1]
+    profiles = [profile] if profile else list(BUILTIN_PROFILES)
+    rows = {p: summarize(run, get_profile(p), baselines[batch]) for p in profiles}
+    first = rows[profiles[0]]
+    info = {
+        "trace": trace.name, "method": spec if profile is None else f"{spec} @{profile}", "batch": batch,
+        "tokens": run.tokens, "rounds": ROUNDS,
         "accept_len": first["accept_len"], "drafted_per_step": first["drafted_per_step"],
         "accept_rate": first["accept_rate"], "proposer_us_per_token": first["proposer_us_per_token"],
         "replay_tokens_per_s": run.tokens / run.replay_s,
-        **{f"speedup_{p}": rows[p]["speedup"] for p in BUILTIN_PROFILES},
-    })
+        **{f"speedup_{p}": rows[p]["speedup"] for p in profiles},
+    }
+    benchmark.extra_info.update(info)
+    sim_rows.append(info)
     assert run.tokens == trace.output_tokens
+    # every round replays the same trace deterministically: the same accepted tokens each time
+    assert len({(r.steps, r.accepted) for r in runs}) == 1

@@ -1,24 +1,24 @@
 """Cost profiles: the time of one batched step of `batch` sequences, each verifying `width` tokens.
 
-`width` counts the root, so width 1 is a plain decode step. Built in:
+`width` counts the root, so width 1 is a plain decode step. Built in (package data,
+`ngramspec/data/profiles/*.json`; `ngramspec profiles` lists them):
 
 - `seed-pcie8`: decode 12.2 ms; a verify of width n > 1 costs 22.5 + 2.5 n ms (any batch size).
-- `h200-llama8b`: the CUDA-graph (`graph_ms`) chain rows of `shared/calibration/h200_llama8b_sdpa.json`,
+- `h200-llama8b`: CUDA-graph (`graph_ms`) chain rows measured for a Llama-3.1-8B-shaped model on one H200,
   interpolated piecewise-linearly over batch and width.
 
-Any JSON file of that shape (`{"rows": [{"B": .., "k": .., "graph_ms": .., "kind": "chain"}, ...]}`) is a
-profile too: `--profile FILE.json`, or `FILE.json:COLUMN` to read another column (e.g. `eager_ms`).
+Any JSON file of the shape `ngramspec calibrate` writes (`{"rows": [{"B": .., "k": .., "graph_ms": ..,
+"eager_ms": .., "kind": "chain"}, ...]}`) is a profile too: `--profile FILE.json` (reads `graph_ms`, or
+`eager_ms` where the file has no CUDA-graph timings), or `FILE.json:COLUMN` to read another column.
 """
 from __future__ import annotations
 
 import json
+from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
-
-from ngramspec.traces import shared_dir
-
-CALIBRATION_FILE = "h200_llama8b_sdpa.json"
 
 
 class CostProfile:
@@ -96,7 +96,7 @@ class TableProfile(CostProfile):
         return hit
 
     @classmethod
-    def from_json(cls, path: str | Path, column: str = "graph_ms", name: str | None = None) -> "TableProfile":
+    def from_json(cls, path: str | Path, column: str | None = None, name: str | None = None) -> "TableProfile":
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"profile file not found: {path}")
@@ -104,13 +104,21 @@ class TableProfile(CostProfile):
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
+        return cls.from_data(data, column, name=name or path.stem, source=str(path))
+
+    @classmethod
+    def from_data(cls, data, column: str | None, name: str, source: str) -> "TableProfile":
+        """From a calibration object; `column` None reads `graph_ms`, or `eager_ms` where no row has `graph_ms`."""
         rows = data.get("rows") if isinstance(data, dict) else None
-        if not isinstance(rows, list) or not rows:
-            raise ValueError(f"{path}: expected an object with a non-empty 'rows' list")
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"{source}: expected an object with a non-empty 'rows' list")
+        chain_rows = [r for r in rows if r.get("kind", "chain") == "chain"]
+        if column is None:
+            column = "graph_ms" if any(r.get("graph_ms") is not None for r in chain_rows) else "eager_ms"
         table: dict[tuple[int, int], float] = {}
         for i, row in enumerate(rows):
-            if not all(key in row for key in ("B", "k", column)):
-                raise ValueError(f"{path}: row {i} needs 'B', 'k' and '{column}'")
+            if not all(row.get(key) is not None for key in ("B", "k", column)):
+                raise ValueError(f"{source}: row {i} needs 'B', 'k' and '{column}'")
             if row.get("kind", "chain") != "chain":
                 continue
             table[(int(row["B"]), int(row["k"]))] = float(row[column])
@@ -118,35 +126,104 @@ class TableProfile(CostProfile):
         widths = sorted({k for _, k in table})
         missing = [(b, k) for b in batches for k in widths if (b, k) not in table]
         if missing:
-            raise ValueError(f"{path}: the (B, k) grid is incomplete, missing {missing[:5]}")
+            raise ValueError(f"{source}: the (B, k) grid is incomplete, missing {missing[:5]}")
         ms = [[table[(b, k)] for k in widths] for b in batches]
-        return cls(name or path.stem, batches, widths, ms)
+        return cls(name, batches, widths, ms)
 
 
-SEED_PCIE8 = LinearProfile("seed-pcie8", decode_ms=12.2, verify_base_ms=22.5, verify_per_token_ms=2.5)
+def _profile_from_data(data: dict, name: str, source: str, column: str | None = None) -> CostProfile:
+    if isinstance(data, dict) and isinstance(data.get("linear"), dict):
+        try:
+            return LinearProfile(name, **{k: float(v) for k, v in data["linear"].items()})
+        except TypeError:
+            raise ValueError(f"{source}: 'linear' takes decode_ms, verify_base_ms and verify_per_token_ms") from None
+    return TableProfile.from_data(data, column or (data.get("column") if isinstance(data, dict) else None),
+                                  name=name, source=source)
 
 
-def calibration_path() -> Path | None:
-    root = shared_dir()
-    path = root / "calibration" / CALIBRATION_FILE if root else None
-    return path if path and path.is_file() else None
+def builtin_profile_files() -> dict[str, object]:
+    """Built-in profiles shipped as package data (`ngramspec/data/profiles/NAME.json`), by name."""
+    folder = resources.files("ngramspec") / "data" / "profiles"
+    return {entry.name[:-5]: entry for entry in sorted(folder.iterdir(), key=lambda e: e.name)
+            if entry.name.endswith(".json")}
+
+
+def builtin_profile_info() -> list[dict]:
+    """Name, description and source of every built-in profile."""
+    out = []
+    for name, entry in builtin_profile_files().items():
+        data = json.loads(entry.read_text())
+        out.append({"name": name, "description": data.get("description", ""), "source": data.get("source", "")})
+    return out
+
+
+@lru_cache(maxsize=None)
+def _builtin(name: str) -> CostProfile:
+    data = json.loads(builtin_profile_files()[name].read_text())
+    return _profile_from_data(data, name, f"built-in profile {name}")
+
+
+def load_profile_file(path: str | Path, column: str | None = None) -> CostProfile:
+    """A profile from a JSON file: a calibration table (`rows`) or a linear model (`linear`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"profile file not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
+    return _profile_from_data(data, path.stem, str(path), column)
 
 
 def get_profile(spec: str) -> CostProfile:
-    """A profile by name (`seed-pcie8`, `h200-llama8b`) or JSON file (`FILE.json` or `FILE.json:COLUMN`)."""
-    if spec == "seed-pcie8":
-        return SEED_PCIE8
-    if spec == "h200-llama8b":
-        path = calibration_path()
-        if path is None:
-            raise FileNotFoundError(f"h200-llama8b needs <repo>/../shared/calibration/{CALIBRATION_FILE}")
-        return TableProfile.from_json(path, "graph_ms", name="h200-llama8b")
+    """A profile by built-in name (`ngramspec profiles` lists them) or by JSON file (`FILE.json`, or
+    `FILE.json:COLUMN` to read another column of a calibration file, e.g. `eager_ms`)."""
+    builtins = builtin_profile_files()
+    if spec in builtins:
+        return _builtin(spec)
     path, _, column = spec.partition(".json:")
     if column:
-        return TableProfile.from_json(path + ".json", column)
+        return load_profile_file(path + ".json", column)
     if spec.endswith(".json"):
-        return TableProfile.from_json(spec)
-    raise ValueError(f"unknown profile {spec!r}: use seed-pcie8, h200-llama8b or a FILE.json cost table")
+        return load_profile_file(spec)
+    raise ValueError(f"unknown profile {spec!r}: use one of {', '.join(builtins)} or a FILE.json cost table "
+                     "(e.g. from `ngramspec calibrate`)")
 
 
-BUILTIN_PROFILES = ("seed-pcie8", "h200-llama8b")
+BUILTIN_PROFILES = tuple(builtin_profile_files())
+SEED_PCIE8 = get_profile("seed-pcie8")
+
+
+def describe(profile: CostProfile, batches=(1, 8, 32), widths=(1, 4, 8, 16)) -> list[str]:
+    """A few step times of a profile, one line per batch size."""
+    return [f"    batch {b:>3d}: " + "  ".join(f"w{w} {profile.cost_ms(b, w):6.2f} ms" for w in widths)
+            for b in batches]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`ngramspec profiles [FILE.json ...]`: the built-in cost profiles, or the given files, with a few step times."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="ngramspec profiles",
+        description="List the built-in cost profiles (step time of `batch` sequences verifying `width` tokens; "
+                    "width 1 = plain decode). Give FILE.json (from `ngramspec calibrate`) to check your own.")
+    parser.add_argument("files", nargs="*", metavar="FILE.json[:COLUMN]", help="your own cost files")
+    args = parser.parse_args(argv)
+    try:
+        if args.files:
+            for spec in args.files:
+                profile = get_profile(spec)
+                print(f"{spec}: usable as --profile {spec}")
+                print("\n".join(describe(profile)))
+            return 0
+        for info in builtin_profile_info():
+            print(f"{info['name']}: {info['description']}")
+            print(f"    source: {info['source']}")
+            print("\n".join(describe(get_profile(info["name"]))))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"ngramspec profiles: error: {exc}", file=sys.stderr)
+        return 2
+    print("\nYour own: `ngramspec calibrate -o my.json` on your device, then `ngramspec simulate ... --profile my.json`.")
+    return 0

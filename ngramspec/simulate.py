@@ -99,7 +99,7 @@ def replay(trace: Trace, method: Method, batch: int = 1, profile: CostProfile | 
     proposer_s = 0.0
     clock = time.perf_counter
     bar = None
-    if progress:
+    if progress and _have_tqdm():
         from tqdm import tqdm
         bar = tqdm(total=trace.output_tokens, unit="tok", desc=f"{trace.name} {method.name} b{batch}",
                    leave=False, mininterval=0.5)
@@ -180,25 +180,78 @@ def summarize(run: Replay, profile: CostProfile, baseline: Replay) -> dict:
         "speedup": base_ms / time_ms,
         "proposer_us_per_token": run.proposer_s / run.tokens * 1e6,
         "replay_s": run.replay_s,
+        "width_steps": {str(w): n for w, n in sorted(_width_steps(run.step_counts).items())},
     }
 
 
+def _width_steps(step_counts: dict) -> dict:
+    """Batched steps per verify width (over every batch size)."""
+    out: dict = {}
+    for (_, width), n in step_counts.items():
+        out[width] = out.get(width, 0) + n
+    return out
+
+
+def _have_tqdm() -> bool:
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(spec: str | None):
+    if spec is None:
+        return None
+    from ngramspec.text import load_tokenizer
+
+    return load_tokenizer(spec)
+
+
 @lru_cache(maxsize=8)
-def _cached_trace(path: str, max_requests: int | None) -> Trace:
-    trace = load_trace(path)
-    return trace.head(max_requests) if max_requests else trace
+def _cached_trace(path: str, max_requests: int | None, tokenizer: str | None = None) -> Trace:
+    return load_trace(path, _tokenizer(tokenizer), max_requests)
 
 
 def _replay_task(task) -> Replay:
     path, spec, batch, profile_spec, max_requests, progress = task
     profile = get_profile(profile_spec) if profile_spec else None
-    return replay(_cached_trace(path, max_requests), make_method(spec), batch, profile, progress)
+    return replay(_cached_trace(path, max_requests, _TOKENIZER), make_method(spec), batch, profile, progress)
+
+
+_TOKENIZER: str | None = None  # the tokenizer spec of text traces, for this process and its workers
+
+
+def _set_tokenizer(spec: str | None) -> None:
+    global _TOKENIZER
+    _TOKENIZER = spec
+
+
+def check_profiles(profile_specs) -> list[CostProfile]:
+    """Build the profiles; two with one name would share one column of the table and plot: an error."""
+    profiles = [get_profile(p) for p in profile_specs]
+    seen: dict = {}
+    for spec, profile in zip(profile_specs, profiles):
+        if profile.name in seen:
+            raise ValueError(f"profiles {seen[profile.name]!r} and {spec!r} are both named {profile.name!r}; "
+                             "give each once (rename a file to tell them apart)")
+        seen[profile.name] = spec
+    return profiles
 
 
 def run_all(trace_paths, method_specs, profile_specs, batches, jobs: int = 1, max_requests: int | None = None,
-            progress: bool = True) -> list[dict]:
-    """Replay every (trace, method, batch), once per profile only where the method needs it; cost them all."""
-    profiles = [get_profile(p) for p in profile_specs]
+            progress: bool = True, tokenizer: str | None = None) -> list[dict]:
+    """Replay every (trace, method, batch), once per profile only where the method needs it; cost them all.
+    Text traces are tokenized with `tokenizer` (a spec for `ngramspec.text.load_tokenizer`)."""
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+    if len(set(method_specs)) != len(method_specs):
+        raise ValueError("a method is given twice")
+    profiles = check_profiles(profile_specs)
+    _set_tokenizer(tokenizer)
+    for path in trace_paths:  # load (and tokenize) each trace once up front: format errors before any replay
+        _cached_trace(str(path), max_requests, tokenizer)
     # building each method once validates its spec before any replay starts
     per_profile = {spec: make_method(spec).profile_dependent for spec in method_specs}
     tasks = []
@@ -214,10 +267,13 @@ def run_all(trace_paths, method_specs, profile_specs, batches, jobs: int = 1, ma
         for task in tasks:
             runs[task] = _replay_task((*task, progress))
     else:
-        from tqdm import tqdm
-        with ProcessPoolExecutor(jobs) as pool:
+        with ProcessPoolExecutor(jobs, initializer=_set_tokenizer, initargs=(tokenizer,)) as pool:
             futures = {task: pool.submit(_replay_task, (*task, False)) for task in tasks}
-            for task in tqdm(futures, desc="replays", disable=not progress):
+            waiting = futures
+            if progress and _have_tqdm():
+                from tqdm import tqdm
+                waiting = tqdm(futures, desc="replays")
+            for task in waiting:
                 runs[task] = futures[task].result()
     rows = []
     for path in trace_paths:
@@ -266,60 +322,261 @@ def format_wide(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def is_bound(method: str) -> bool:
+    """Upper bounds (they see the future): drawn as markers, reported apart from the real methods."""
+    return method.split(":")[0] in ("oracle", "perfect", "oracle-ctl")
+
+
 def plot(rows: list[dict], path: str) -> None:
-    """Speedup by trace and method, one panel per (profile, batch)."""
+    """Speedup by trace and method, one panel per (profile, batch), then accept length per batch size.
+
+    Real methods are bars with their value on top; the bounds (perfect drafter, oracle controller) are markers,
+    so a large bound does not squash the bars (when one is off the scale it is drawn at the top edge with its
+    value). The legend sits outside the panels, on the right."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = list(dict.fromkeys((r["profile"], r["batch"]) for r in rows))
+    batches = list(dict.fromkeys(r["batch"] for r in rows))
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6, 1.6 * len(traces) * len(methods) / 3),
-                                                      3.2 * len(panels)), squeeze=False)
-    width = 0.8 / len(methods)
-    for ax, (profile, batch) in zip(axes[:, 0], panels):
-        for m, method in enumerate(methods):
-            values = [next((r["speedup"] for r in rows if (r["profile"], r["batch"], r["trace"], r["method"])
-                            == (profile, batch, trace, method)), np.nan) for trace in traces]
-            ax.bar(np.arange(len(traces)) + (m - (len(methods) - 1) / 2) * width, values, width, label=method)
+    real = [m for m in methods if not is_bound(m)] or methods
+    bounds = [m for m in methods if is_bound(m) and m in methods and m not in real]
+    index = {(r["profile"], r["batch"], r["trace"], r["method"]): r for r in rows}
+    markers = ["v", "*", "D", "P", "X"]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {m: colors[i % len(colors)] for i, m in enumerate(real)}
+    n_panels = len(panels) + len(batches)
+    fig, axes = plt.subplots(n_panels, 1, figsize=(max(7.0, 1.1 * len(traces) * (len(real) + 1)),
+                                                  3.3 * n_panels), squeeze=False)
+    slots = len(real) + (1 if bounds else 0)  # the bounds' markers get their own slot, right of the bars
+    width = 0.8 / slots
+    x = np.arange(len(traces))
+    bound_x = x + (len(real) - (slots - 1) / 2) * width
+
+    def bars(ax, metric, pick):
+        top = 0.0
+        for m, method in enumerate(real):
+            values = np.array([pick(trace, method)[metric] if pick(trace, method) else np.nan for trace in traces])
+            pos = x + (m - (slots - 1) / 2) * width
+            ax.bar(pos, values, width, label=method, color=color[method])
+            for xi, v in zip(pos, values):
+                if np.isfinite(v):
+                    ax.annotate(f"{v:.2f}", (xi, v), xytext=(0, 2), textcoords="offset points", ha="center",
+                                va="bottom", fontsize=7)
+            top = max(top, np.nanmax(values) if np.isfinite(values).any() else 0.0)
+        return top
+
+    def draw_bounds(ax, metric, pick, top):
+        ceiling = top * 1.6 if top > 0 else 1.0
+        for b, method in enumerate(bounds):
+            values = np.array([pick(trace, method)[metric] if pick(trace, method) else np.nan for trace in traces])
+            shown = np.minimum(values, ceiling)
+            ax.scatter(bound_x, shown, marker=markers[b % len(markers)], s=60, color="black", zorder=3,
+                       label=f"bound: {method}")
+            for xi, v, sv in zip(bound_x, values, shown):
+                if np.isfinite(v):
+                    clipped = v > ceiling
+                    ax.annotate(f"{v:.2f}" + ("↑" if clipped else ""), (xi, sv), xytext=(7, -3),
+                                textcoords="offset points", fontsize=7)
+        ax.set_ylim(0, ceiling * 1.12)
+
+    for ax, (profile, batch) in zip(axes[:n_panels - len(batches), 0], panels):
+        def pick(trace, method, profile=profile, batch=batch):
+            return index.get((profile, batch, trace, method))
+        top = bars(ax, "speedup", pick)
+        draw_bounds(ax, "speedup", pick, max(top, 1.0))
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(np.arange(len(traces)), traces)
+        ax.set_xticks(x, traces)
         ax.set_ylabel("speedup vs none")
-        ax.set_title(f"{profile}, batch {batch}")
-    axes[0, 0].legend(fontsize="small", ncol=min(4, len(methods)))
+        ax.set_title(f"speedup: profile {profile}, batch {batch}")
+    for ax, batch in zip(axes[n_panels - len(batches):, 0], batches):
+        profile = next(p for p, b in panels if b == batch)
+
+        def pick(trace, method, profile=profile, batch=batch):
+            return index.get((profile, batch, trace, method))
+        top = bars(ax, "accept_len", pick)
+        draw_bounds(ax, "accept_len", pick, top)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(x, traces)
+        ax.set_ylabel("tokens per request-step")
+        ax.set_title(f"accept length, batch {batch}" + (f" (profile {profile})" if len(panels) > len(batches)
+                                                        else ""))
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------------- the answer
+ANSWER_METHODS = [  # (label, spec); the first is the baseline of every speedup
+    ("NGRAM_ADAPTIVE", "ngramspec-adaptive"),
+    ("NGRAM (SGLang)", "sglang-ngram"),
+    ("prompt lookup", "prompt-lookup:k=8"),
+]
+ANSWER_BOUNDS = [
+    ("oracle controller", "oracle-ctl:k=15"),
+    ("perfect drafter", "oracle:k=15"),
+]
+PLUGIN_WIDTHS = (2, 3, 4, 6, 8, 12, 16)  # the plugin's candidate widths (--speculative-num-draft-tokens)
+WORTH_IT = 1.05  # speedup below which the answer says to leave speculation off
+
+
+def answer_methods() -> tuple[list[tuple[str, str]], list[str]]:
+    """The answer's methods that can run here, and one line per one that cannot (its package is missing)."""
+    usable, notes = [], []
+    for label, spec in ANSWER_METHODS + ANSWER_BOUNDS:
+        try:
+            make_method(spec)
+        except ImportError as exc:
+            notes.append(f"{label} not simulated: {str(exc).splitlines()[0].split(';')[0]}")
+            continue
+        usable.append((label, spec))
+    return usable, notes
+
+
+def suggested_width(width_steps: dict) -> int:
+    """The plugin's `--speculative-num-draft-tokens`: the largest width the controller used on at least 1% of
+    its steps, rounded up to a candidate width (at least 2)."""
+    total = sum(width_steps.values())
+    used = [int(w) for w, n in width_steps.items() if n >= 0.01 * total]
+    top = max(used, default=2)
+    return next((w for w in PLUGIN_WIDTHS if w >= top), PLUGIN_WIDTHS[-1])
+
+
+def format_answer(rows: list[dict], labels: dict[str, str], notes: list[str] = ()) -> str:
+    """One screen: per trace, per (profile, batch), the speedup (and accept length) of NGRAM_ADAPTIVE against
+    the others and the bounds, then the settings to use."""
+    out = []
+    index = {(r["trace"], r["profile"], r["batch"], r["method"]): r for r in rows}
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    real = [m for m in methods if not is_bound(m)]
+    bound = [m for m in methods if is_bound(m)]
+    heads = [labels.get(m, m) for m in real] + [labels.get(m, m) for m in bound]
+    adaptive = next((m for m in methods if m.startswith("ngramspec-adaptive")), None)
+    profiles = list(dict.fromkeys(r["profile"] for r in rows))
+    for trace in dict.fromkeys(r["trace"] for r in rows):
+        first = next(r for r in rows if r["trace"] == trace)
+        out.append(f"{trace}: {first['requests']:,} requests, {first['tokens']:,} output tokens")
+        out.append("speedup over plain decoding (accept length = tokens per request-step); "
+                   "the last columns are bounds, not methods")
+        widths = [max(12, len(h) + 2) for h in heads]
+        line = f"{'profile':16s} {'batch':>5s}  " + "".join(f"{h:>{w}s}" for h, w in zip(heads, widths))
+        out.append(line)
+        out.append("-" * len(line))
+        settings = []
+        for profile, batch in sorted(dict.fromkeys((r["profile"], r["batch"]) for r in rows if r["trace"] == trace),
+                                     key=lambda pb: (profiles.index(pb[0]), pb[1])):
+            cells = []
+            for m, w in zip(real + bound, widths):
+                r = index.get((trace, profile, batch, m))
+                cells.append(f"{r['speedup']:.2f}x ({r['accept_len']:.2f})".rjust(w) if r else "n/a".rjust(w))
+            out.append(f"{profile:16s} {batch:5d}  " + "".join(cells))
+            if adaptive:
+                settings.append(_setting(index, trace, profile, batch, adaptive, real, bound, labels))
+        if settings:
+            out.append("")
+            out.append("settings:")
+            out.extend(settings)
+        out.append("")
+    out.extend(f"note: {n}" for n in notes)
+    return "\n".join(out).rstrip()
+
+
+def _setting(index, trace, profile, batch, adaptive, real, bound, labels) -> str:
+    r = index[(trace, profile, batch, adaptive)]
+    where = f"  {profile}, batch {batch}: "
+    if r["speedup"] < WORTH_IT:
+        best = max((index[(trace, profile, batch, m)] for m in real if (trace, profile, batch, m) in index
+                    and m != "none"), key=lambda x: x["speedup"])
+        if best["speedup"] >= WORTH_IT:
+            return where + (f"{labels.get(best['method'], best['method'])} is best here ({best['speedup']:.2f}x); "
+                            f"NGRAM_ADAPTIVE gives {r['speedup']:.2f}x")
+        return where + f"speculation does not pay on this traffic ({r['speedup']:.2f}x): leave it off"
+    n = suggested_width(r["width_steps"])
+    oracle = next((index.get((trace, profile, batch, m)) for m in bound if m.startswith("oracle-ctl")), None)
+    room = f"; an oracle controller would reach {oracle['speedup']:.2f}x" \
+        if oracle and oracle["speedup"] > r["speedup"] + 0.005 else ""
+    return where + (f"--speculative-algorithm NGRAM_ADAPTIVE --speculative-num-draft-tokens {n} "
+                    f"({r['speedup']:.2f}x{room})")
+
+
+def _method_help() -> str:
+    from ngramspec.methods import describe_methods
+    from ngramspec.profiles import BUILTIN_PROFILES
+
+    return ("methods (--method NAME:key=value,...; parameters and their defaults):\n" + describe_methods() +
+            "\n\nprofiles (--profile): " + ", ".join(BUILTIN_PROFILES) +
+            " (ngramspec profiles), or FILE.json[:COLUMN] from `ngramspec calibrate`\n\n"
+            "Without --method: the answer to \"will n-gram speculation help on my traffic?\": NGRAM_ADAPTIVE vs "
+            "plain decoding,\nSGLang's NGRAM and prompt lookup, with the bounds and the settings to use, under "
+            "every built-in profile\n(or the --profile ones).\n\n"
+            "Trace formats (JSON Lines, optionally .gz), one request per line: token ids {\"prompt\": [..], "
+            "\"output\": [..]};\ntext {\"prompt\": \"..\", \"output\": \"..\"}; OpenAI chat {\"messages\": [..]} "
+            "ending with the assistant's reply, or\nwith the reply in \"output\"/\"response\" (a string or a chat "
+            "completion object). Text needs --tokenizer.")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ngramspec simulate", description=__doc__.split("\n")[0])
-    parser.add_argument("traces", nargs="+", metavar="TRACE", help="gzip JSONL trace files")
-    parser.add_argument("--method", action="append", required=True,
-                        help="method spec name:key=value,... (repeatable)")
-    parser.add_argument("--profile", action="append", required=True,
-                        help="seed-pcie8, h200-llama8b or FILE.json[:COLUMN] (repeatable)")
-    parser.add_argument("--batch", type=int, action="append", help="requests in flight (repeatable; default 1)")
+    parser = argparse.ArgumentParser(
+        prog="ngramspec simulate", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Replay request logs (token ids or text) under cost profiles and compare draft methods.",
+        epilog=_method_help())
+    parser.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL request logs (.jsonl or .jsonl.gz)")
+    parser.add_argument("--method", action="append",
+                        help="method spec NAME:key=value,... (repeatable); without it, the answer (see below)")
+    parser.add_argument("--profile", action="append",
+                        help="built-in profile name or FILE.json[:COLUMN] (repeatable; default: every built-in)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="for text logs: a local Hugging Face tokenizer folder or tokenizer.json, or a "
+                             ".tiktoken encoding file")
+    parser.add_argument("--batch", type=_positive, action="append",
+                        help="requests in flight (repeatable; default 1)")
     parser.add_argument("--json", metavar="FILE", help="write the result rows as JSON ('-' for stdout)")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw speedup by trace and method")
-    parser.add_argument("--jobs", type=int, default=1, help="replays run in parallel processes")
-    parser.add_argument("--max-requests", type=int, help="replay only the first N requests of each trace")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw speedup and accept length by trace and method")
+    parser.add_argument("--jobs", type=_positive, default=1, help="replays run in parallel processes")
+    parser.add_argument("--max-requests", type=_positive, metavar="N",
+                        help="replay only the first N requests of each trace")
     parser.add_argument("--wide", action="store_true",
                         help="print one line per (trace, method) with every profile and batch side by side")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     batches = args.batch or [1]
-    if any(b < 1 for b in batches):
-        parser.error("--batch must be >= 1")
+    from ngramspec.profiles import BUILTIN_PROFILES
+
+    profiles = args.profile or list(BUILTIN_PROFILES)
+    notes: list[str] = []
+    labels: dict[str, str] = {}
+    answer = not args.method
     try:
-        rows = run_all(args.traces, args.method, args.profile, batches, jobs=args.jobs,
-                       max_requests=args.max_requests, progress=not args.no_progress)
+        if answer:
+            usable, notes = answer_methods()
+            methods = [spec for _, spec in usable]
+            labels = {spec: label for label, spec in usable}
+        else:
+            methods = args.method
+        rows = run_all(args.traces, methods, profiles, batches, jobs=args.jobs, max_requests=args.max_requests,
+                       progress=not args.no_progress, tokenizer=args.tokenizer)
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"ngramspec simulate: error: {exc}", file=sys.stderr)
         return 2
     table_out = sys.stderr if args.json == "-" else sys.stdout
-    print(format_wide(rows) if args.wide else format_table(rows), file=table_out)
+    if answer:
+        print(format_answer(rows, labels, notes), file=table_out)
+    else:
+        print(format_wide(rows) if args.wide else format_table(rows), file=table_out)
     if args.json == "-":
         json.dump(rows, sys.stdout, indent=1)
         print()

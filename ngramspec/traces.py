@@ -1,7 +1,9 @@
-"""Trace loading: gzip JSON Lines of recorded generations (format of `shared/traces/README.md`).
+"""Trace loading: JSON Lines (optionally gzip) of recorded generations, one request per line.
 
-Each record needs `prompt` and `output`, non-empty lists of token ids in [0, 2**31); `id` is optional.
-The output is taken as the model's greedy continuation of the prompt.
+A token record has `prompt` and `output`, non-empty lists of token ids in [0, 2**31); `id` is optional.
+A text record (`prompt`/`output` strings, or OpenAI-style `messages` with the assistant's reply; see
+`ngramspec.text`) is tokenized with the tokenizer passed to `load_trace`. The output is taken as the model's
+greedy continuation of the prompt.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class Request:
 class Trace:
     name: str
     requests: tuple[Request, ...]
+    skipped: int = 0  # text records left out because their reply was empty
 
     @property
     def output_tokens(self) -> int:
@@ -36,7 +39,7 @@ class Trace:
         """The first `n` requests (replay order is file order)."""
         if n < 1:
             raise ValueError(f"need at least one request, got {n}")
-        return Trace(self.name, self.requests[:n])
+        return Trace(self.name, self.requests[:n], self.skipped)
 
 
 def token_array(values, what: str) -> np.ndarray:
@@ -73,33 +76,64 @@ def trace_name(path: str | os.PathLike) -> str:
     return name
 
 
-def load_trace(path: str | os.PathLike) -> Trace:
-    """Load a `.jsonl.gz` (or plain `.jsonl`) trace file."""
+def load_trace(path: str | os.PathLike, tokenizer=None, max_requests: int | None = None) -> Trace:
+    """Load a `.jsonl.gz` (or plain `.jsonl`) trace file; text records need `tokenizer` (`ngramspec.text`).
+
+    `max_requests` keeps the first N requests (and tokenizes only those). Text records whose reply is empty are
+    skipped (a chat log has some, e.g. tool-only turns); how many is in the trace's `skipped`.
+    """
+    from ngramspec.text import is_text_record, tokenize_record
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
     opener = gzip.open if path.suffix == ".gz" else open
     records = []
+    skipped = 0
     with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-    return make_trace(trace_name(path), records)
+            if is_text_record(rec):
+                if tokenizer is None:
+                    raise ValueError(f"{path}:{lineno}: this record holds text, not token ids: pass a tokenizer "
+                                     "(ngramspec simulate --tokenizer FOLDER|FILE)")
+                rec = tokenize_record(rec, tokenizer, f"{path}:{lineno}")
+                if not rec["output"]:
+                    skipped += 1
+                    continue
+                if not rec["prompt"]:
+                    raise ValueError(f"{path}:{lineno}: the prompt is empty")
+            records.append(rec)
+            if max_requests is not None and len(records) == max_requests:
+                break
+    trace = make_trace(trace_name(path), records)
+    return Trace(trace.name, trace.requests, skipped) if skipped else trace
 
 
-def shared_dir() -> Path | None:
-    """`<repo>/../shared` when it exists (read-only data: traces, anchors, calibration), else None."""
-    path = Path(__file__).resolve().parent.parent.parent / "shared"
-    return path if path.is_dir() else None
+DATA_ENV = "NGRAMSPEC_DATA"
+
+
+def data_dir() -> Path | None:
+    """The folder named by `$NGRAMSPEC_DATA` (dev traces in `traces/`, calibration in `calibration/`), if set
+    and present. The library knows no other place: tests and benchmarks point it at their data."""
+    value = os.environ.get(DATA_ENV)
+    path = Path(value) if value else None
+    return path if path is not None and path.is_dir() else None
+
+
+shared_dir = data_dir  # the name the tests and benchmarks use
 
 
 def dev_trace_paths() -> list[Path]:
-    """The dev traces in `<repo>/../shared/traces`, sorted by name; empty when absent."""
-    root = shared_dir()
+    """The `*.jsonl.gz` traces in `$NGRAMSPEC_DATA/traces`, sorted by name; empty when unset or absent."""
+    root = data_dir()
     if root is None or not (root / "traces").is_dir():
         return []
     return sorted((root / "traces").glob("*.jsonl.gz"))

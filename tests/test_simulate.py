@@ -10,9 +10,9 @@ import pytest
 
 from ngramspec import simulate
 from ngramspec.methods import EMPTY_DRAFT, Method, chain, make_method
-from ngramspec.profiles import SEED_PCIE8, LinearProfile, TableProfile, calibration_path, get_profile
+from ngramspec.profiles import SEED_PCIE8, LinearProfile, TableProfile, get_profile
 from ngramspec.simulate import accepted_length, replay, run_all, summarize
-from ngramspec.traces import load_trace, make_trace
+from ngramspec.traces import data_dir, load_trace, make_trace
 
 A = list(range(100, 120))  # 20 distinct tokens
 
@@ -300,8 +300,15 @@ def test_json_profile_roundtrip_and_errors(tmp_path):
         get_profile("no-such-profile")
 
 
+def calibration_path():
+    root = data_dir()
+    path = root / "calibration" / "h200_llama8b_sdpa.json" if root else None
+    return path if path and path.is_file() else None
+
+
 @pytest.mark.skipif(calibration_path() is None, reason="shared calibration data absent")
 def test_h200_profile_reads_graph_chain_rows():
+    """The packaged h200-llama8b profile is the project's calibration file, chain rows, CUDA-graph column."""
     data = json.loads(calibration_path().read_text())
     profile = get_profile("h200-llama8b")
     for row in data["rows"]:

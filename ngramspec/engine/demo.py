@@ -1,13 +1,19 @@
 """`ngramspec demo`: plain greedy vs NGRAM_ADAPTIVE on SmolLM2-135M-Instruct, on prompts written for it.
 
-For each prompt (a code edit, a summary of a given text, free chat) it decodes greedily twice, without and with
+For each prompt (a code edit, a summary of a given text, free chat) it decodes greedily without and with
 speculation, checks that both outputs are the same tokens, and prints tokens/s, accept length and the verify
-widths the policy chose. Runs on CPU; uses the GPU when there is one.
+widths the policy chose. Both paths are warmed up first on a full-length run; each prompt is then timed
+`--repeats` times per path (interleaved) and the median tokens/s is reported. Every speculative run starts from
+the same cache state, the outputs of the prompts before it (as a server that has served them), so a repeat never
+drafts from its own earlier run (the policy, like a server's controller, keeps what it learned about step costs
+across runs). Runs on CPU; uses the GPU when there is one.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -16,6 +22,35 @@ from pathlib import Path
 def width_histogram(widths) -> str:
     counts = Counter(widths)
     return " ".join(f"{w}x{counts[w]}" for w in sorted(counts))
+
+
+def cache_after(history, max_depth: int | None = None):
+    """A fresh NgramCache that has served `history` [(prompt, output), ...] (outputs shared, as a server's)."""
+    from ngramspec import NgramCache
+
+    cache = NgramCache() if max_depth is None else NgramCache(max_depth=max_depth)
+    for i, (prompt, output) in enumerate(history):
+        cache.start_request(("history", i), prompt)
+        if output:
+            cache.add_tokens(("history", i), output)
+        cache.finish_request(("history", i), share=True)
+    return cache
+
+
+def busy_cpu_caveat(device_type: str, timings: list[list[float]], load=None, cpus=None) -> str | None:
+    """One line when the timings come from a CPU that is shared or noisy, else None.
+
+    `timings` holds, per (prompt, path), the tokens/s of each repeat; a spread of more than 20% between the
+    fastest and slowest repeat, or a 1-minute load average above half the cores, makes the caveat."""
+    if device_type != "cpu":
+        return None
+    load = os.getloadavg()[0] if load is None and hasattr(os, "getloadavg") else (load or 0.0)
+    cpus = cpus or os.cpu_count() or 1
+    spread = max((max(t) / min(t) - 1 for t in timings if t and min(t) > 0), default=0.0)
+    if load <= 0.5 * cpus and spread <= 0.2:
+        return None
+    return (f"caveat: busy CPU (load average {load:.1f} on {cpus} cores, repeats differ by up to {spread:.0%}): "
+            "absolute tok/s are noisy; the speedup column is the median of interleaved runs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", type=int, default=160, help="characters of each answer to print (0: none)")
     parser.add_argument("--trace-out", default=None, help="write the greedy outputs as a trace (.jsonl.gz)")
     parser.add_argument("--json-out", default=None, help="write per-prompt figures as JSON")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and path (median; default 3)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise SystemExit("--max-new-tokens must be >= 1")
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
 
     import torch
     from tqdm import tqdm
@@ -62,36 +100,45 @@ def main(argv: list[str] | None = None) -> int:
     decoder = SpecDecoder(kv)
     eos = tokenizer.eos_token_id
 
-    # compile numba's kernels and warm torch on a throwaway cache and policy, so no timing below pays for it
+    # compile numba's kernels and warm torch on both paths, at full length on a throwaway cache and policy, so no
+    # timing below pays for first-call costs (kernel selection, allocator growth, JIT)
     from ngramspec.cache import warm_up
 
     warm_up()
-    decoder.generate([prompts[0][:16]], 4, eos_token_id=eos)
-    decoder.generate([prompts[0][:16]], 4, policy=make_policy(spec), cache=NgramCache(), rids=["warm-up"],
-                     eos_token_id=eos)
+    decoder.generate([prompts[0]], args.max_new_tokens, eos_token_id=eos)
+    decoder.generate([prompts[0]], args.max_new_tokens, policy=make_policy(spec), cache=NgramCache(),
+                     rids=["warm-up"], eos_token_id=eos)
 
-    spec_cache = NgramCache()
-    rows, outputs = [], []
-    total = 2 * len(prompts) * args.max_new_tokens
+    rows, outputs, history = [], [], []
+    total = 2 * len(prompts) * args.max_new_tokens * args.repeats
     with tqdm(total=total, desc=f"demo on {device.type}", unit="tok", file=sys.stderr) as bar:
-        for (label, _), prompt in zip(items, prompts):
-            plain = decoder.generate([prompt], args.max_new_tokens, eos_token_id=eos, progress=bar)
-            fast = decoder.generate([prompt], args.max_new_tokens, policy=policy, cache=spec_cache,
-                                    rids=[len(rows)], eos_token_id=eos, progress=bar)
-            bar.total -= 2 * args.max_new_tokens - len(plain.outputs[0]) - len(fast.outputs[0])
+        for n, ((label, _), prompt) in enumerate(zip(items, prompts)):
+            plain_runs, fast_runs = [], []
+            for rep in range(args.repeats):  # interleaved, so a burst of load hits both paths alike
+                plain_runs.append(decoder.generate([prompt], args.max_new_tokens, eos_token_id=eos, progress=bar))
+                fast_runs.append(decoder.generate([prompt], args.max_new_tokens, policy=policy,
+                                                  cache=cache_after(history), rids=[(n, rep)], eos_token_id=eos,
+                                                  progress=bar))
+            plain, fast = plain_runs[0], fast_runs[0]
+            bar.total -= 2 * args.repeats * args.max_new_tokens - args.repeats * (len(plain.outputs[0])
+                                                                                 + len(fast.outputs[0]))
             bar.refresh()
+            history.append((prompt, fast.outputs[0]))
             outputs.append(fast.outputs[0])
+            plain_tok_s = [r.tokens_per_second for r in plain_runs]
+            spec_tok_s = [r.tokens_per_second for r in fast_runs]
             rows.append({
                 "label": label, "prompt_tokens": len(prompt), "new_tokens": len(fast.outputs[0]),
-                "plain_tok_s": plain.tokens_per_second, "spec_tok_s": fast.tokens_per_second,
-                "speedup": fast.tokens_per_second / plain.tokens_per_second,
+                "plain_tok_s": statistics.median(plain_tok_s), "spec_tok_s": statistics.median(spec_tok_s),
+                "plain_tok_s_runs": plain_tok_s, "spec_tok_s_runs": spec_tok_s,
+                "speedup": statistics.median(spec_tok_s) / statistics.median(plain_tok_s),
                 "accept_length": fast.accept_length, "widths": fast.widths,
-                "identical": plain.outputs[0] == fast.outputs[0],
+                "identical": all(r.outputs[0] == plain.outputs[0] for r in plain_runs + fast_runs),
                 "text": tokenizer.decode(fast.outputs[0], skip_special_tokens=True),
             })
 
     print(f"\nSmolLM2-135M-Instruct on {device} ({args.dtype}); policy {spec}; greedy; "
-          f"max {args.max_new_tokens} new tokens\n")
+          f"max {args.max_new_tokens} new tokens; tok/s = median of {args.repeats} runs after warm-up\n")
     header = f"{'prompt':10s} {'tokens':>6s} {'plain tok/s':>11s} {'spec tok/s':>10s} {'speedup':>7s} " \
              f"{'accept':>6s} {'same':>4s}  widths (width x steps)"
     print(header)
@@ -100,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['label']:10s} {r['new_tokens']:6d} {r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} "
               f"{r['speedup']:6.2f}x {r['accept_length']:6.2f} {'yes' if r['identical'] else 'NO':>4s}  "
               f"{width_histogram(r['widths'])}")
+    caveat = busy_cpu_caveat(device.type, [r["plain_tok_s_runs"] for r in rows] + [r["spec_tok_s_runs"] for r in rows])
+    if caveat:
+        print(caveat)
     if args.show:
         print()
         for r in rows:
@@ -109,5 +159,6 @@ def main(argv: list[str] | None = None) -> int:
         write_trace(args.trace_out, prompts, outputs, workload="demo")
         print(f"\nwrote trace {args.trace_out}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"policy": spec, "device": str(device), "rows": rows}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"policy": spec, "device": str(device), "repeats": args.repeats,
+                                                   "caveat": caveat, "rows": rows}, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1

@@ -70,15 +70,19 @@ class Method:
 
 
 METHODS: dict[str, Callable[..., Method]] = {}
+DESCRIPTIONS: dict[str, str] = {}
 _BUILTIN_MODULES = ("baselines", "sglang_ngram", "arctic_suffix", "ngramspec_static", "oracle_ctl")
 _loaded = False
 
 
-def register_method(name: str, factory: Callable[..., Method]) -> None:
-    """Make `name` available to `make_method`; `factory(**params)` builds a fresh Method."""
+def register_method(name: str, factory: Callable[..., Method], description: str | None = None) -> None:
+    """Make `name` available to `make_method`; `factory(**params)` builds a fresh Method. `description` (one
+    line, for `ngramspec simulate --help`) defaults to the first line of the factory's docstring."""
     if not name or ":" in name or "," in name or "=" in name:
         raise ValueError(f"bad method name {name!r}")
     METHODS[name] = factory
+    doc = description or (factory.__doc__ or "").strip()
+    DESCRIPTIONS[name] = doc.splitlines()[0].strip() if doc else ""
 
 
 def _load_builtins() -> None:
@@ -98,6 +102,25 @@ def _load_builtins() -> None:
 def available_methods() -> list[str]:
     _load_builtins()
     return sorted(METHODS)
+
+
+def method_parameters(name: str) -> list[tuple[str, object]]:
+    """(parameter, default) of a registered method, in signature order."""
+    _load_builtins()
+    params = inspect.signature(METHODS[name]).parameters.values()
+    return [(p.name, p.default) for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+
+def describe_methods() -> str:
+    """Every method with its parameters and defaults, one entry per method (for `simulate --help`)."""
+    lines = []
+    for name in available_methods():
+        params = ",".join(f"{k}={'(default)' if v is None else '(required)' if v is inspect.Parameter.empty else v}"
+                          for k, v in method_parameters(name))
+        lines.append(f"  {name}" + (f":{params}" if params else ""))
+        if DESCRIPTIONS.get(name):
+            lines.append(f"      {DESCRIPTIONS[name]}")
+    return "\n".join(lines)
 
 
 def _parse_value(text: str):

@@ -54,4 +54,5 @@ class ArcticSuffix(Method):
         del self._tail[rid]
 
 
-register_method("arctic-suffix", ArcticSuffix)
+register_method("arctic-suffix", ArcticSuffix,
+                "Arctic Inference's suffix cache (needs arctic-inference 0.3.0); tree=1 for tree speculation")

@@ -103,7 +103,8 @@ def _prompt_lookup(k: int = 8, min: int = 2, max: int = 5) -> PromptLookup:  # n
     return PromptLookup(k=k, min_n=min, max_n=max)
 
 
-register_method("none", NoDraft)
-register_method("prompt-lookup", _prompt_lookup)
-register_method("oracle", PerfectDrafter)
-register_method("perfect", PerfectDrafter)
+register_method("none", NoDraft, "plain decoding, no speculation (the speedup baseline)")
+register_method("prompt-lookup", _prompt_lookup, "vLLM's prompt lookup: copy what followed the longest matching n-gram "
+                "(min..max tokens) of the request's own text")
+register_method("oracle", PerfectDrafter, "bound: the perfect drafter, k true next tokens every step, all accepted")
+register_method("perfect", PerfectDrafter, "same as oracle")

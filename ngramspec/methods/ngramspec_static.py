@@ -48,5 +48,5 @@ def _tree(k: int = 8, depth: int | None = None) -> NgramspecStatic:
     return NgramspecStatic(k, tree=True, depth=depth)
 
 
-register_method("ngramspec-chain", _chain)
-register_method("ngramspec-tree", _tree)
+register_method("ngramspec-chain", _chain, "ngramspec's suffix-trie cache, a chain of k tokens every step")
+register_method("ngramspec-tree", _tree, "ngramspec's suffix-trie cache, a tree of k nodes every step")

@@ -58,4 +58,5 @@ def _oracle_ctl(k: int = 8, tree: int = 1, depth: int | None = None) -> OracleCo
     return OracleController(k, tree, depth)
 
 
-register_method("oracle-ctl", _oracle_ctl)
+register_method("oracle-ctl", _oracle_ctl, "bound: the oracle controller, ngramspec's drafts at the best width "
+                "per step, knowing what will be accepted")

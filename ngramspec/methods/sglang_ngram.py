@@ -87,4 +87,5 @@ class SglangNgram(Method):
         del self._tail[rid], self._length[rid]
 
 
-register_method("sglang-ngram", SglangNgram)
+register_method("sglang-ngram", SglangNgram, "SGLang's NGRAM (its real NgramCorpus; needs sglang 0.5.23), "
+                "d = verify width incl. the root")

@@ -1,0 +1,8 @@
+"""Test data: the library reads dev traces and calibration only from `$NGRAMSPEC_DATA`; the tests point it at
+the project's shared data folder beside the repository (`../shared`) when that exists and it is unset."""
+import os
+from pathlib import Path
+
+_SHARED = Path(__file__).resolve().parents[2] / "shared"
+if _SHARED.is_dir():
+    os.environ.setdefault("NGRAMSPEC_DATA", str(_SHARED))
