@@ -53,13 +53,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
 from numba import njit
 
-from ngramspec.cache import DraftBatch, as_tokens
+from ngramspec.cache import MAX_TOKEN, DraftBatch, as_tokens
 
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 MAX_WIDTH = 4097  # a width holds the root and at most the cache's MAX_BUDGET draft nodes
@@ -611,6 +612,29 @@ def _observe(slots, toks, offs, ptok, ppar, pcell, pstart, plen, pcur, nd, nn, s
             success[s] = rate if success[s] < 0 else success[s] + alpha * (rate - success[s])
 
 
+@njit(cache=True)
+def _step_kernel(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, success, alpha,
+                 succ, trials, mid_succ, mid_trials, top_succ, top_trials, prior_mean, strength, widths, costs,
+                 measured, stale, implied, draining, min_gain, may_explore, optimism, cells, P, G, values,
+                 expected, lengths, ptok, ppar, pcell, pstart, plen, pcur, nd, nn):
+    """The controller's whole step in one call: shadow-evaluate the pending drafts against the tokens committed
+    since the last step (``toks``/``offs``, one slice per request), choose the width for the new drafts, queue
+    them. Returns (width index, reason index, drafts, nodes): if the pending pools lack room it changes nothing
+    and returns (-1, -1, drafts, nodes) they need per request."""
+    need_d, need_n = _pend_room(slots, offsets, nd, nn, pstart.shape[1], ptok.shape[1])
+    if need_d > 0 or need_n > 0:
+        return -1, -1, need_d, need_n
+    if offs.shape[0] > 1:
+        _observe(slots, toks, offs, ptok, ppar, pcell, pstart, plen, pcur, nd, nn, success, alpha,
+                 succ, trials, mid_succ, mid_trials, top_succ, top_trials)
+    best, reason = _choose(parents, probs, sources, offsets, mlens, slots, success, succ, trials, mid_succ,
+                           mid_trials, top_succ, top_trials, prior_mean, strength, widths, costs, measured, stale,
+                           implied, draining, min_gain, may_explore, optimism, cells, P, G, values, expected,
+                           lengths)
+    _pend_add(slots, tokens, parents, offsets, cells, ptok, ppar, pcell, pstart, plen, pcur, nd, nn)
+    return best, reason, 0, 0
+
+
 # ------------------------------------------------------------------------------------------------ plans
 @dataclass(frozen=True)
 class Plan:
@@ -817,27 +841,30 @@ class AdaptiveController:
             return Plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
         return self._plan(slots, batch, waiting)
 
-    def _plan(self, slots: np.ndarray, batch: DraftBatch, waiting) -> Plan:
+    def _plan(self, slots: np.ndarray, batch: DraftBatch, waiting, toks=None, offs=None) -> Plan:
+        """Observe ``toks``/``offs`` (tokens committed per request since the last step; None: none), then plan."""
         B = len(slots)
         offsets = batch.offsets
         n = int(offsets[B])
-        self._scratch(B, n)
-        need_d, need_n = _pend_room(slots, offsets, self._nd, self._nn, self._pstart.shape[1],
-                                    self._ptok.shape[1])
-        if need_d or need_n:
-            self._grow_pool(need_d, need_n)
+        if n > self._cells.shape[0] or B > self._G.shape[0]:
+            self._scratch(B, n)
         costs, measured, stale, implied = self.costs.row(B)
         self._n_steps += 1
         may_explore = self._n_explored < self.explore_min + self.explore_frac * self._n_steps
         lengths = np.empty(B, np.int64)
-        wi, why = _choose(batch.parents, batch.probs, batch.sources, offsets, batch.match_lens, slots,
-                          self._success, *self._tables(), self.prior_mean, self.prior_strength, self._widths,
-                          costs, measured, stale, implied, waiting == 0 and B > 1, self.min_gain, may_explore,
-                          self.explore_optimism, self._cells, self._P, self._G, self._values, self._expected,
-                          lengths)
-        # shadow-evaluate every draft, sent or not (see observe_tokens)
-        _pend_add(slots, batch.tokens, batch.parents, offsets, self._cells, self._ptok, self._ppar, self._pcell,
-                  self._pstart, self._plen, self._pcur, self._nd, self._nn)
+        if toks is None:
+            toks, offs = _NO_TOKENS, _NO_OFFSETS
+        while True:
+            wi, why, need_d, need_n = _step_kernel(
+                slots, toks, offs, batch.parents, batch.probs, batch.sources, batch.tokens, offsets,
+                batch.match_lens, self._success, self.request_alpha, self.succ, self.trials, self.mid_succ,
+                self.mid_trials, self.top_succ, self.top_trials, self.prior_mean, self.prior_strength,
+                self._widths, costs, measured, stale, implied, waiting == 0 and B > 1, self.min_gain, may_explore,
+                self.explore_optimism, self._cells, self._P, self._G, self._values, self._expected, lengths,
+                self._ptok, self._ppar, self._pcell, self._pstart, self._plen, self._pcur, self._nd, self._nn)
+            if wi >= 0:
+                break
+            self._grow_pool(need_d, need_n)  # nothing changed: grow the pending pools and go again
         if why == 2:
             self._n_explored += 1
         self._step += 1
@@ -876,20 +903,18 @@ class AdaptiveController:
                  self._nd, self._nn, self._success, self.request_alpha, *self._tables())
 
     def _flatten(self, committed: Sequence, rids) -> tuple[np.ndarray, np.ndarray]:
-        """Token lists -> validated (flat int32 tokens, int64 offsets), in reused buffers."""
+        """Token lists -> validated (flat int32 tokens, int64 offsets), the offsets in a reused buffer."""
         B = len(committed)
         if B + 1 > self._off_buf.shape[0]:
             self._off_buf = np.zeros(max(B + 1, 2 * self._off_buf.shape[0]), np.int64)
         offs = self._off_buf[: B + 1]
-        try:
-            if all(type(t) is list for t in committed):
-                flat = as_tokens([x for t in committed for x in t], "committed tokens")
-                np.cumsum([len(t) for t in committed], out=offs[1:])
-                return flat, offs
-        except (TypeError, ValueError):
-            pass
+        if all(type(t) is list for t in committed):  # the common case: lists of Python ints, checked in one pass
+            flat = [x for t in committed for x in t]
+            if all(type(x) is int for x in flat) and (not flat or (min(flat) >= 0 and max(flat) < MAX_TOKEN)):
+                offs[1:] = list(accumulate([len(t) for t in committed]))
+                return np.array(flat, np.int32), offs
         arrays = [as_tokens(t, f"committed tokens of request {rid!r}") for rid, t in zip(rids, committed)]
-        np.cumsum([a.size for a in arrays], out=offs[1:])
+        offs[1:] = list(accumulate([a.size for a in arrays]))
         flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
         return flat, offs
 
@@ -912,17 +937,19 @@ class AdaptiveController:
         slots = self._slots(rids)
         B = len(slots)
         cslots = np.array(cache._slots(rids), np.int64)
+        toks = offs = None
         if committed is not None:
             if len(committed) != B:
                 raise ValueError(f"{B} request ids but {len(committed)} token lists")
             toks, offs = self._flatten(committed, rids)
             if toks.size:
                 cache._append_flat(cslots, toks, offs)
-                self._observe_flat(slots, toks, offs)
+            else:
+                toks = offs = None
         batch = cache._propose_slots(cslots, max(1, self.max_width - 1), bool(tree))
         if B == 0:
             return batch, Plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
-        return batch, self._plan(slots, batch, waiting)
+        return batch, self._plan(slots, batch, waiting, toks, offs)
 
 
 # ------------------------------------------------------------------------------------- simulator method
@@ -1002,4 +1029,6 @@ def _register() -> None:
 
 
 _EMPTY = np.zeros(0, np.int32)
+_NO_TOKENS = np.zeros(0, np.int32)
+_NO_OFFSETS = np.zeros(1, np.int64)
 _register()

@@ -50,10 +50,19 @@ def check_tree(tokens, parents) -> None:
 
 
 @njit(cache=True)
-def _layout(tokens, parents, offsets, lengths, roots, W, o_tok, o_par, o_mask, o_dep, o_nt, o_ns, o_num):
-    """Fill the zeroed ``o_*`` arrays (``o_nt``/``o_ns`` at -1) for drafts ``offsets[b]:offsets[b] + lengths[b]``."""
+def _layout(tokens, parents, offsets, lengths, roots, W):
+    """The layout arrays for drafts ``offsets[b]:offsets[b] + lengths[b]`` (allocated here: one call)."""
+    B = lengths.shape[0]
+    o_tok = np.zeros((B, W), np.int64)
+    o_par = np.zeros((B, W), np.int64)
+    o_mask = np.zeros((B, W, W), np.bool_)
+    o_dep = np.zeros((B, W), np.int64)
+    o_nt = np.full((B, W), -1, np.int64)
+    o_ns = np.full((B, W), -1, np.int64)
+    o_num = np.zeros(B, np.int64)
+    o_idx = np.arange(B * W).reshape(B, W)
     last_child = np.empty(W, np.int64)
-    for b in range(lengths.shape[0]):
+    for b in range(B):
         a = offsets[b]
         n = min(lengths[b], W - 1)
         o_num[b] = n
@@ -76,6 +85,7 @@ def _layout(tokens, parents, offsets, lengths, roots, W, o_tok, o_par, o_mask, o
             else:
                 o_ns[b, last_child[p]] = i
             last_child[p] = i
+    return o_tok, o_par, o_mask, o_dep, o_idx, o_nt, o_ns, o_num
 
 
 def layout_flat(tokens: np.ndarray, parents: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
@@ -83,21 +93,11 @@ def layout_flat(tokens: np.ndarray, parents: np.ndarray, offsets: np.ndarray, le
     """``tree_layout`` for drafts in flat arrays (a ``DraftBatch``'s ``tokens``, ``parents``, ``offsets``),
     request b keeping its first ``lengths[b]`` nodes (at most ``width - 1``): one kernel call for the batch."""
     B = lengths.shape[0]
-    W = int(width)
-    if W < 1:
+    if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
     if roots.shape[0] != B or offsets.shape[0] != B + 1:
         raise ValueError(f"{B} lengths but {roots.shape[0]} roots and {offsets.shape[0] - 1} drafts")
-    tok = np.zeros((B, W), np.int64)
-    par = np.zeros((B, W), np.int64)
-    mask = np.zeros((B, W, W), np.bool_)
-    depths = np.zeros((B, W), np.int64)
-    nxt_tok = np.full((B, W), -1, np.int64)
-    nxt_sib = np.full((B, W), -1, np.int64)
-    num = np.zeros(B, np.int64)
-    _layout(tokens, parents, offsets, lengths, roots, W, tok, par, mask, depths, nxt_tok, nxt_sib, num)
-    retrieve_index = np.arange(B * W, dtype=np.int64).reshape(B, W)
-    return TreeLayout(tok, par, mask, depths, retrieve_index, nxt_tok, nxt_sib, num)
+    return TreeLayout(*_layout(tokens, parents, offsets, lengths, roots, int(width)))
 
 
 def tree_layout(drafts: Sequence, roots: Sequence[int], width: int) -> TreeLayout:

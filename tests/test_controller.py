@@ -500,3 +500,39 @@ def test_a_width_first_measured_in_a_stall_is_re_measured():
     assert first and log[first["at"] + 1: first["at"] + 400].count(6) == 0  # banned for a while...
     assert log[-200:] == [6] * 200  # ...not for good
     assert ctl._n_explored <= ctl.explore_min + ctl.explore_frac * ctl._n_steps + 1
+
+
+def test_first_propose_and_plan_after_warm_up_is_fast():
+    """warm_up() compiles (or loads) every kernel of cache and controller: in a fresh process the first
+    propose + plan, and the first whole step, take well under 50 ms each."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import time
+from ngramspec.cache import NgramCache, warm_up
+from ngramspec.controller import AdaptiveController
+warm_up()
+cache, ctl = NgramCache(), AdaptiveController()
+for rid in (0, 1):
+    cache.start_request(rid, list(range(40)) * 3)
+    ctl.start(rid)
+t0 = time.perf_counter()
+plan = ctl.plan([0, 1], cache.propose([0, 1], 15), waiting=3)
+t1 = time.perf_counter()
+batch, plan = ctl.step(cache, [0, 1], [[0, 1], [0]], waiting=0)
+ctl.observe_step(2, plan.width, 12.5)
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in (_ROOT,)] + [os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    first, step = map(float, out.stdout.split())
+    assert first < 0.05 and step < 0.05, (first, step)
+
+
+from pathlib import Path  # noqa: E402
+
+_ROOT = Path(__file__).resolve().parents[1]

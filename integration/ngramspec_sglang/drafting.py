@@ -148,9 +148,10 @@ class IntervalStats:
         self.drafted_tokens += int(plan.drafted.sum())
         self.expected_tokens += float(plan.expected_tokens)
 
-    def record_outcome(self, accepted: np.ndarray) -> None:
-        self.observed_requests += int(accepted.size)
-        self.realized_accepted += int(accepted.sum())
+    def record_outcome(self, accepted) -> None:
+        """Draft tokens accepted per request of the last step (a sequence of ints)."""
+        self.observed_requests += len(accepted)
+        self.realized_accepted += int(sum(accepted))
 
     def mean_width(self) -> float:
         """1 + drafted tokens per verified request: SGLang's accept rate is exact under this width."""
@@ -213,7 +214,7 @@ class DraftPlanner:
         if not views:
             raise ValueError("plan() needs at least one request")
         rids, totals, committed, accepted = self._collect(views)
-        self.stats.record_outcome(np.asarray(accepted, dtype=np.int64))
+        self.stats.record_outcome(accepted)
         if self._steps % self.config.tp_sync_interval == 0:
             samples = self.broadcast(self._local_durations if self.is_timing_rank else None) or []
             self._local_durations = []
@@ -222,7 +223,7 @@ class DraftPlanner:
         self._steps += 1
 
         ctl = self.controller
-        if isinstance(ctl, AdaptiveController) and not (self._untracked and any(r in self._untracked for r in rids)):
+        if type(ctl) is AdaptiveController and not (self._untracked and any(r in self._untracked for r in rids)):
             # the fast path: commit, propose and plan for the whole batch in a few kernel calls
             batch, decision = ctl.step(self.cache, rids, committed, waiting=waiting, tree=self.config.tree)
         else:
@@ -348,11 +349,13 @@ class DraftPlanner:
         if width not in self.config.widths:
             raise ValueError(f"controller chose width {width}, not one of {self.config.widths}")
         lengths = np.asarray(decision.lengths, dtype=np.int64)
-        if lengths.shape != (len(views),):
-            raise ValueError(f"controller returned {lengths.shape} draft lengths for {len(views)} requests")
-        sizes = batch.offsets[1:] - batch.offsets[:-1]
-        if lengths.size and (lengths.min() < 0 or lengths.max() > width - 1 or (lengths > sizes).any()):
-            raise ValueError(f"draft lengths {lengths.tolist()} do not fit width {width} / drafts {sizes.tolist()}")
+        if not isinstance(self.controller, AdaptiveController):  # its plans fit by construction
+            if lengths.shape != (len(views),):
+                raise ValueError(f"controller returned {lengths.shape} draft lengths for {len(views)} requests")
+            sizes = batch.offsets[1:] - batch.offsets[:-1]
+            if lengths.size and (lengths.min() < 0 or lengths.max() > width - 1 or (lengths > sizes).any()):
+                raise ValueError(f"draft lengths {lengths.tolist()} do not fit width {width} / drafts "
+                                 f"{sizes.tolist()}")
         roots = np.fromiter((v.last_token() for v in views), np.int64, len(views))
         if self.layout is _default_layout:
             lay = layout_flat(batch.tokens, batch.parents, batch.offsets, lengths, roots, width)
