@@ -536,3 +536,41 @@ print(t1 - t0, t2 - t1)
 from pathlib import Path  # noqa: E402
 
 _ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_simulator_charges_measured_host_time():
+    """--host-cost measured: each step also costs the host time the method took; both speedups reported."""
+    import json
+
+    import gzip
+
+    from ngramspec.simulate import main
+
+    def write_trace(path, records):
+        with gzip.open(path, "wt") as fh:
+            for r in records:
+                fh.write(json.dumps(r) + "\n")
+
+    rng = np.random.default_rng(9)
+    doc = rng.integers(0, 90000, 300).tolist()
+    recs = [{"prompt": doc, "output": doc[:200]}, {"prompt": doc[:50], "output": rng.integers(0, 90000, 100).tolist()}]
+    tr = _trace(recs)
+    base = replay(tr, make_method("none"), 2)
+    run = replay(tr, make_method("ngramspec-adaptive"), 2, SEED)
+    plain = summarize(run, SEED, base)
+    both = summarize(run, SEED, base, host_cost="measured")
+    assert "speedup_with_host" not in plain and both["speedup_no_host"] == plain["speedup"]
+    assert both["host_ms"] == pytest.approx(run.proposer_s * 1e3) and both["host_ms"] > 0
+    base_ms, ms = SEED.total_ms(base.step_counts), SEED.total_ms(run.step_counts)
+    assert both["speedup"] == both["speedup_with_host"] == pytest.approx(
+        (base_ms + base.proposer_s * 1e3) / (ms + run.proposer_s * 1e3))
+    with pytest.raises(ValueError, match="host_cost"):
+        summarize(run, SEED, base, host_cost="guess")
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/t.jsonl.gz"
+        write_trace(path, recs)
+        assert main([path, "--method", "ngramspec-adaptive", "--profile", "seed-pcie8", "--host-cost", "measured",
+                     "--no-progress", "--json", f"{d}/rows.json"]) == 0
+        rows = json.load(open(f"{d}/rows.json"))
+        assert all(r["speedup_with_host"] < r["speedup_no_host"] for r in rows)
