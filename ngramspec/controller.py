@@ -32,10 +32,10 @@ one-off stall moves it by a bounded share, not by 60x); an unmeasured batch size
 one of the same width. Unmeasured widths are interpolated between measured widths, extrapolated along the
 measured slope, or (with one measured width) taken from a prior's shape (a calibration file, or a conservative
 default) scaled by what was measured; and a few are tried, in a small bounded share of steps, so a wrong prior
-is corrected. A width whose measurement near this batch size is older than ``stale_after`` reported steps and
-that would win at what the other widths imply for it is re-measured within the same bounded share (its stale
-average is then replaced, not clipped): a width once measured during a stall is not banned for good. The
-controller is never told the true profile.
+is corrected. A width whose measurement near this batch size is older than ``stale_after`` reported steps, is
+more than 1.5x what the other widths imply for it, and would win at that, is re-measured (at most once per
+``stale_after`` steps; its stale average is then replaced, not clipped): a width once measured during a stall
+is not banned for good. The controller is never told the true profile.
 
 **Host cost**. All per-step work runs in numba kernels over flat arrays: the calibration cells, the shadow
 evaluation of every pending draft (kept per request in preallocated pools grown on demand), the cost model and
@@ -74,7 +74,8 @@ _RBINS = 6  # request's recent success: unknown | 5 quantized levels
 _SHAPE = (2, 4, 6, 4, 4, _RBINS)  # source, match, conditional, depth, siblings, request
 _MID_PER_SOURCE = 4 * 6 * 4 * 4  # (match, conditional, depth, siblings) cells of one source
 _TOP_PER_SOURCE = 6 * 4 * 4  # (conditional, depth, siblings) cells of one source
-_REASONS = ("best", "no-draft", "explore")
+_REASONS = ("best", "no-draft", "explore", "re-measure")
+REMEASURE_RATIO = 1.5  # a stale width is re-measured only if its estimate is this far above what the others imply
 
 
 def default_prior(batch: int, width: int) -> float:
@@ -447,7 +448,7 @@ def _node_values(parents, offsets, cells, succ, trials, mid_succ, mid_trials, to
 @njit(cache=True)
 def _choose(parents, probs, sources, offsets, mlens, slots, success, succ, trials, mid_succ, mid_trials,
             top_succ, top_trials, prior_mean, strength, widths, costs, measured, stale, implied, draining,
-            min_gain, may_explore, optimism, cells, P, G, values, expected, lengths):
+            min_gain, may_explore, may_remeasure, optimism, cells, P, G, values, expected, lengths):
     """The width choice for one step (see AdaptiveController.plan). Fills cells, values (-inf: width not
     considered), expected and lengths; returns (width index, reason index)."""
     B = offsets.shape[0] - 1
@@ -484,19 +485,25 @@ def _choose(parents, probs, sources, offsets, mlens, slots, success, succ, trial
     reason = 0 if (widths[best] > 1 or any_draft) else 1
     if any_draft and may_explore:
         # try a width not yet measured here only if it would win were it cheaper than estimated (the widest
-        # first: it bounds the interpolation of every width below it); else re-measure a stale width that would
-        # win at what the other widths imply for it
+        # first: it bounds the interpolation of every width below it)
         pick = -1
         for w in range(W):
             if not measured[w] and expected[w] / (optimism * costs[w]) > values[best]:
                 pick = w
-        if pick < 0:
-            for w in range(W):
-                if stale[w] and w != best and expected[w] / (optimism * implied[w]) > values[best]:
-                    pick = w
         if pick >= 0:
             best = pick
             reason = 2
+    if any_draft and may_remeasure and reason != 2:
+        # re-measure a width whose measurement is stale and far above what the other widths imply for it, if it
+        # would win at that (one stall must not ban a width for good)
+        pick = -1
+        for w in range(W):
+            if stale[w] and w != best and costs[w] > REMEASURE_RATIO * implied[w] \
+                    and expected[w] / (optimism * implied[w]) > values[best]:
+                pick = w
+        if pick >= 0:
+            best = pick
+            reason = 3
     cap = widths[best] - 1
     for i in range(B):
         n = offsets[i + 1] - offsets[i]
@@ -615,8 +622,8 @@ def _observe(slots, toks, offs, ptok, ppar, pcell, pstart, plen, pcur, nd, nn, s
 @njit(cache=True)
 def _step_kernel(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, success, alpha,
                  succ, trials, mid_succ, mid_trials, top_succ, top_trials, prior_mean, strength, widths, costs,
-                 measured, stale, implied, draining, min_gain, may_explore, optimism, cells, P, G, values,
-                 expected, lengths, ptok, ppar, pcell, pstart, plen, pcur, nd, nn):
+                 measured, stale, implied, draining, min_gain, may_explore, may_remeasure, optimism, cells, P, G,
+                 values, expected, lengths, ptok, ppar, pcell, pstart, plen, pcur, nd, nn):
     """The controller's whole step in one call: shadow-evaluate the pending drafts against the tokens committed
     since the last step (``toks``/``offs``, one slice per request), choose the width for the new drafts, queue
     them. Returns (width index, reason index, drafts, nodes): if the pending pools lack room it changes nothing
@@ -629,8 +636,8 @@ def _step_kernel(slots, toks, offs, parents, probs, sources, tokens, offsets, ml
                  succ, trials, mid_succ, mid_trials, top_succ, top_trials)
     best, reason = _choose(parents, probs, sources, offsets, mlens, slots, success, succ, trials, mid_succ,
                            mid_trials, top_succ, top_trials, prior_mean, strength, widths, costs, measured, stale,
-                           implied, draining, min_gain, may_explore, optimism, cells, P, G, values, expected,
-                           lengths)
+                           implied, draining, min_gain, may_explore, may_remeasure, optimism, cells, P, G, values,
+                           expected, lengths)
     _pend_add(slots, tokens, parents, offsets, cells, ptok, ppar, pcell, pstart, plen, pcur, nd, nn)
     return best, reason, 0, 0
 
@@ -642,7 +649,7 @@ class Plan:
     lengths: np.ndarray  # draft nodes kept per request (prefix lengths)
     expected: float  # expected tokens this step (bonus included)
     cost: float  # estimated step cost (ms, or relative units before any measurement)
-    reason: str  # "best", "explore" or "no-draft"
+    reason: str  # "best", "explore", "re-measure" or "no-draft"
 
 
 class AdaptiveController:
@@ -650,17 +657,17 @@ class AdaptiveController:
 
     Knobs: ``widths`` (the verify widths a server holds CUDA graphs for), ``prior`` (c(B, n) before any
     measurement: a callable or a calibration file path), ``explore_min`` + ``explore_frac`` x steps (how many
-    steps may try a width not yet measured within a factor of two of the current batch size, or re-measure a
-    stale one; only one that would win at ``explore_optimism`` times its estimated cost, the widest first;
+    steps may try a width not yet measured within a factor of two of the current batch size; only one that
+    would win at ``explore_optimism`` times its estimated cost, the widest first;
     unmeasured widths between measured ones are interpolated, not explored), ``prior_strength`` (pseudo-trials
     behind each calibration cell's prior), ``prior_scale`` (per depth bin 1 | 2-3 | 4-7 | 8+: the fixed prior of
     a cell's conditional acceptance is this times the cache's raw conditional; it only matters until the
     (conditional, depth) cells have data), ``request_alpha`` (EWMA weight of a request's recent success),
     ``min_gain`` (a width's expected value must beat plain decoding's by this share per decode-step of extra
     cost: 0.1 asks a verify costing 2 decodes for 10% more, one costing 1.3 decodes for 3% more),
-    ``cost_clip`` (a step duration moves its average by at most this factor; None: unclipped), ``stale_after``
-    (reported steps after which a width's measurement is re-checked; None: never), ``trace_len`` (decisions
-    kept for debugging).
+    ``cost_clip`` (a step duration moves its average by at most this factor; None: unclipped),
+    ``stale_after`` (reported steps after which a width's measurement may be re-checked, see the module
+    docstring; None: never), ``trace_len`` (decisions kept for debugging).
     """
 
     def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
@@ -683,6 +690,7 @@ class AdaptiveController:
         if isinstance(prior, str):
             prior = prior_from_calibration(prior)
         self.costs = CostModel(prior or default_prior, widths=widths, clip=cost_clip, stale_after=stale_after)
+        self.stale_after = stale_after
         self.explore_frac = float(explore_frac)
         self.explore_min = int(explore_min)
         self.explore_optimism = float(explore_optimism)
@@ -727,6 +735,7 @@ class AdaptiveController:
         self.trace: deque = deque(maxlen=int(trace_len))
         self._n_steps = 0
         self._n_explored = 0
+        self._n_remeasured = 0
         self._step = 0
 
     # --------------------------------------------------------------------------------------- requests
@@ -851,6 +860,8 @@ class AdaptiveController:
         costs, measured, stale, implied = self.costs.row(B)
         self._n_steps += 1
         may_explore = self._n_explored < self.explore_min + self.explore_frac * self._n_steps
+        # at most one re-measurement per stale_after steps
+        may_remeasure = self.stale_after is not None and self._n_remeasured * self.stale_after < self._n_steps
         lengths = np.empty(B, np.int64)
         if toks is None:
             toks, offs = _NO_TOKENS, _NO_OFFSETS
@@ -860,13 +871,15 @@ class AdaptiveController:
                 batch.match_lens, self._success, self.request_alpha, self.succ, self.trials, self.mid_succ,
                 self.mid_trials, self.top_succ, self.top_trials, self.prior_mean, self.prior_strength,
                 self._widths, costs, measured, stale, implied, waiting == 0 and B > 1, self.min_gain, may_explore,
-                self.explore_optimism, self._cells, self._P, self._G, self._values, self._expected, lengths,
+                may_remeasure, self.explore_optimism, self._cells, self._P, self._G, self._values, self._expected, lengths,
                 self._ptok, self._ppar, self._pcell, self._pstart, self._plen, self._pcur, self._nd, self._nn)
             if wi >= 0:
                 break
             self._grow_pool(need_d, need_n)  # nothing changed: grow the pending pools and go again
         if why == 2:
             self._n_explored += 1
+        elif why == 3:
+            self._n_remeasured += 1
         self._step += 1
         w = self.widths[wi]
         tokens, cost = float(self._expected[wi]), float(costs[wi])
@@ -963,7 +976,8 @@ def _register() -> None:
         profile_dependent = True  # its decisions depend on the durations it observes
 
         def __init__(self, max_width: int = 16, prior: str = "default", tree: int = 1, depth: int = 16,
-                     explore_frac: float = 0.002, widths: str | None = None):
+                     explore_frac: float = 0.002, widths: str | None = None, clip: float = 2.0,
+                     stale: int = 500):
             if widths is not None:  # e.g. widths=1-2-4-8-17
                 try:
                     widths = [int(w) for w in str(widths).split("-")]
@@ -978,7 +992,9 @@ def _register() -> None:
                 prior_fn = get_profile(prior).cost_ms  # a deliberately *assumed* cost, e.g. a wrong one
             else:
                 raise ValueError(f"prior must be 'default', a profile name or a .json file, got {prior!r}")
-            self.ctl = AdaptiveController(widths, prior=prior_fn, explore_frac=explore_frac)
+            self.ctl = AdaptiveController(widths, prior=prior_fn, explore_frac=explore_frac,
+                                          cost_clip=float(clip) if float(clip) > 0 else None,
+                                          stale_after=int(stale) if int(stale) > 0 else None)
             self.cache = NgramCache(max_depth=depth)
             self.tree = bool(tree)
             self._width = 1
