@@ -200,7 +200,7 @@ class Planner:
 
     def prepare(self, rids, commits):
         for r, c in zip(rids, commits):
-            self.outs[r].extend(c)
+            self.outs[r].extend(c.tolist() if len(c) else ())  # a server's output ids are Python ints
         self.views = [self.view(r, self.prompts[r], self.outs[r]) for r in rids]
 
     def step(self, rids, commits, waiting):

@@ -95,6 +95,9 @@ def batch_bucket(batch: int) -> int:
     return batch if batch <= 4 else 1 << (batch - 1).bit_length()
 
 
+_INT_TYPES = frozenset((int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
+
+
 def _is_int(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
@@ -923,9 +926,14 @@ class AdaptiveController:
         offs = self._off_buf[: B + 1]
         if all(type(t) is list for t in committed):  # the common case: lists of Python ints, checked in one pass
             flat = [x for t in committed for x in t]
-            if all(type(x) is int for x in flat) and (not flat or (min(flat) >= 0 and max(flat) < MAX_TOKEN)):
+            if all(type(x) in _INT_TYPES for x in flat) and (not flat or (min(flat) >= 0 and max(flat) < MAX_TOKEN)):
                 offs[1:] = list(accumulate([len(t) for t in committed]))
                 return np.array(flat, np.int32), offs
+        elif B and all(type(t) is np.ndarray and t.ndim == 1 and t.dtype.kind in "iu" for t in committed):
+            flat = np.concatenate(committed)  # integer arrays (e.g. slices of a trace): checked in one pass
+            if not flat.size or (int(flat.min()) >= 0 and int(flat.max()) < MAX_TOKEN):
+                offs[1:] = list(accumulate([t.size for t in committed]))
+                return flat.astype(np.int32, copy=False), offs
         arrays = [as_tokens(t, f"committed tokens of request {rid!r}") for rid, t in zip(rids, committed)]
         offs[1:] = list(accumulate([a.size for a in arrays]))
         flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
