@@ -18,9 +18,11 @@ rounds of (host time / request-steps). Methods, each doing exactly the host work
 - **Arctic SuffixDecodingCache** (arctic-inference): one `speculate` per request (15 tokens, tree) +
   `add_active_response` per request.
 
-Time is process CPU time (all threads: the cost on one core, robust to other jobs on a shared machine), with
-the cost of reading the clock subtracted; wall time is reported beside it. ``extra_info`` holds the medians
-(`*_us_per_request_step`) and the ratios to NgramCorpus measured in the same run. Trace: ``HOST_BENCH_TRACE``
+Time is the calling thread's CPU time (the cost on one core, robust to other jobs on a shared machine; a
+cheap clock, where process CPU time costs several µs a read here), with the cost of reading the clocks
+subtracted; wall time is reported beside it. NgramCorpus inserts on a background thread: its CPU time is not in
+the CPU column (which therefore flatters it), its wall time is (`synchronize` waits for it). ``extra_info`` holds
+the medians (`*_us_per_request_step`) and the ratios to NgramCorpus measured in the same run. Trace: ``HOST_BENCH_TRACE``
 (default chat_gpt4), the first max(16, 2 x batch) requests, outputs cut to 128 tokens; the first 10 steps of
 each replay are untimed. Skips without ../shared/traces; SGLang and Arctic rows skip when their packages are
 missing.
