@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 
 import numpy as np
-from numba import typed
+from numba import njit, typed
 
 from ngramspec import _draft, _shared, _trie
 
@@ -150,10 +150,13 @@ class NgramCache:
         empty = np.zeros(1, dtype=np.int32)
         self._hists = typed.List([empty for _ in range(R)])  # for the jitted kernels
         self._hist_arrays = [empty] * R  # the same arrays: typed.List is slow to index from Python
+        self._hcap = np.ones(R, dtype=np.int64)  # their sizes
         self._scratch = np.empty(int(local_nodes), dtype=np.int32)
         self._share_active = np.full(D, -1, dtype=np.int32)
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(R - 1, -1, -1))
+        self._out = None  # reused output buffers of _propose_slots, grown on demand
+        self._out_budget = 0
 
     # ----------------------------------------------------------------------------------------------- verbs
     def start_request(self, rid: Hashable, prompt) -> None:
@@ -333,24 +336,62 @@ class NgramCache:
     def _set_hist(self, slot: int, arr: np.ndarray) -> None:
         self._hists[slot] = arr
         self._hist_arrays[slot] = arr
+        self._hcap[slot] = arr.size
 
     def _append(self, slots: list[int], flat: np.ndarray, lengths: list[int]) -> None:
-        for slot, k in zip(slots, lengths):
-            n = int(self._hlens[slot])
-            hist = self._hist_arrays[slot]
-            if n + k > hist.size:
-                grown = np.empty(max(n + k, 2 * hist.size), dtype=np.int32)
-                grown[:n] = hist[:n]
-                self._set_hist(slot, grown)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        _draft.append_batch(np.asarray(slots, dtype=np.int64), flat, offsets, self.max_depth, self._l_nodes,
+        self._append_flat(np.asarray(slots, dtype=np.int64), flat, offsets)
+
+    def _append_flat(self, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
+        """Append validated tokens ``flat[offsets[i]:offsets[i+1]]`` to slot ``slots[i]`` (one kernel call)."""
+        i = _hist_short(slots, offsets, self._hcap, self._hlens)
+        while i >= 0:  # grow the histories that lack room (doubling), then check again from there
+            slot = int(slots[i])
+            n, k = int(self._hlens[slot]), int(offsets[i + 1] - offsets[i])
+            hist = self._hist_arrays[slot]
+            grown = np.empty(max(n + k, 2 * hist.size), dtype=np.int32)
+            grown[:n] = hist[:n]
+            self._set_hist(slot, grown)
+            i = _hist_short(slots, offsets, self._hcap, self._hlens)
+        _draft.append_batch(slots, flat, offsets, self.max_depth, self._l_nodes,
                             self._l_table, self._l_meta, self._roots, self._hists, self._hlens, self._active,
                             self._since)
 
+    def _propose_slots(self, slots: np.ndarray, budget: int, tree: bool) -> DraftBatch:
+        """``propose`` for validated, distinct slots and one budget, into reused output buffers: the returned
+        arrays are views that the next call overwrites (the controller's ``step`` copies what it keeps)."""
+        B = slots.shape[0]
+        buf = self._out
+        if buf is None or buf[0].shape[0] < B * budget or buf[4].shape[0] < B + 1 or self._out_budget != budget:
+            n, m = max(B * budget, 1024), max(B + 1, 64)
+            buf = self._out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
+                               np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64),
+                               np.full(m, budget, np.int64))
+            self._out_budget = budget
+        o_tok, o_par, o_prob, o_src, offsets, mlens, bud = buf
+        offsets, mlens = offsets[: B + 1], mlens[:B]
+        n = _draft.propose_batch(
+            slots, bud[:B], bool(tree), self.max_depth,
+            self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
+            self._s_nodes, self._s_table, self._s_root, self._arena,
+            self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
+            o_tok, o_par, o_prob, o_src, offsets, mlens)
+        return DraftBatch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
+
+@njit(cache=True)
+def _hist_short(slots, offsets, hcap, hlens):
+    """The first request whose history has no room for its new tokens, or -1."""
+    for i in range(slots.shape[0]):
+        r = slots[i]
+        if hlens[r] + offsets[i + 1] - offsets[i] > hcap[r]:
+            return i
+    return -1
+
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) every kernel, on a throwaway cache: the first real call is then fast."""
+    """Compile (or load from numba's cache) every kernel of the cache and of the adaptive controller, on
+    throwaway objects: the first real ``propose`` + ``plan`` is then fast. Touches no other state."""
     c = NgramCache(max_depth=4, max_requests=2, local_nodes=64, shared_nodes=64, shared_tokens=64)
     c.start_request(0, [1, 2, 3, 1, 2])
     c.add_tokens_batch([0], [[3]])
@@ -358,4 +399,25 @@ def warm_up() -> None:
     c.propose([0], 2, tree=False)
     c.count([1, 2], rid=0)
     c.match_length(0)
+    c.start_request(1, [1, 2, 1, 2])
+    from ngramspec.controller import AdaptiveController
+
+    ctl = AdaptiveController(widths=(1, 2, 3))
+    ctl.start(0)
+    ctl.start(1)
+    for waiting in (None, 0):
+        batch, _ = ctl.step(c, [0, 1], [[1], [2, 1]], waiting=waiting)
+        ctl.plan([0, 1], c.propose([0, 1], 2), waiting=waiting)
+        ctl.observe_tokens(0, [2])
+        ctl.observe_batch([0, 1], [[1], np.array([2], np.int32)])
+        for w in (1, 2, 3):
+            ctl.observe_step(2, w, 1.0 + w)
+        ctl.observe_step(1, 2, 2.5)
+    ctl.costs.estimate(64, 2)
+    ctl.node_values([0], c.propose([0], 2))
     c.finish_request(0, share=True)
+    c.finish_request(1, share=True)
+    from ngramspec import layout
+
+    if hasattr(layout, "warm_up"):
+        layout.warm_up()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from numba import njit
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,57 @@ def check_tree(tokens, parents) -> None:
         seen.add((p, t))
 
 
+@njit(cache=True)
+def _layout(tokens, parents, offsets, lengths, roots, W):
+    """The layout arrays for drafts ``offsets[b]:offsets[b] + lengths[b]`` (allocated here: one call)."""
+    B = lengths.shape[0]
+    o_tok = np.zeros((B, W), np.int64)
+    o_par = np.zeros((B, W), np.int64)
+    o_mask = np.zeros((B, W, W), np.bool_)
+    o_dep = np.zeros((B, W), np.int64)
+    o_nt = np.full((B, W), -1, np.int64)
+    o_ns = np.full((B, W), -1, np.int64)
+    o_num = np.zeros(B, np.int64)
+    o_idx = np.arange(B * W).reshape(B, W)
+    last_child = np.empty(W, np.int64)
+    for b in range(B):
+        a = offsets[b]
+        n = min(lengths[b], W - 1)
+        o_num[b] = n
+        o_tok[b, 0] = roots[b]
+        o_par[b, 0] = -1
+        o_mask[b, 0, 0] = True
+        for j in range(n):
+            o_tok[b, j + 1] = tokens[a + j]
+            o_par[b, j + 1] = parents[a + j] + 1  # rows: root is 0, node j is j + 1; padding hangs off the root
+        for i in range(W):
+            last_child[i] = -1
+        for i in range(1, W):
+            p = o_par[b, i]
+            for k in range(i):
+                o_mask[b, i, k] = o_mask[b, p, k]
+            o_mask[b, i, i] = True
+            o_dep[b, i] = o_dep[b, p] + 1
+            if last_child[p] < 0:
+                o_nt[b, p] = i
+            else:
+                o_ns[b, last_child[p]] = i
+            last_child[p] = i
+    return o_tok, o_par, o_mask, o_dep, o_idx, o_nt, o_ns, o_num
+
+
+def layout_flat(tokens: np.ndarray, parents: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+                roots: np.ndarray, width: int) -> TreeLayout:
+    """``tree_layout`` for drafts in flat arrays (a ``DraftBatch``'s ``tokens``, ``parents``, ``offsets``),
+    request b keeping its first ``lengths[b]`` nodes (at most ``width - 1``): one kernel call for the batch."""
+    B = lengths.shape[0]
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    if roots.shape[0] != B or offsets.shape[0] != B + 1:
+        raise ValueError(f"{B} lengths but {roots.shape[0]} roots and {offsets.shape[0] - 1} drafts")
+    return TreeLayout(*_layout(tokens, parents, offsets, lengths, roots, int(width)))
+
+
 def tree_layout(drafts: Sequence, roots: Sequence[int], width: int) -> TreeLayout:
     """Lay out a batch of drafts (``Draft`` objects or (tokens, parents) pairs) at a fixed verify width.
 
@@ -58,36 +110,20 @@ def tree_layout(drafts: Sequence, roots: Sequence[int], width: int) -> TreeLayou
         raise ValueError(f"{B} drafts but {len(roots)} roots")
     if width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
-    W = int(width)
-    tokens = np.zeros((B, W), np.int64)
-    parents = np.zeros((B, W), np.int64)
-    mask = np.zeros((B, W, W), bool)
-    depths = np.zeros((B, W), np.int64)
-    nxt_tok = np.full((B, W), -1, np.int64)
-    nxt_sib = np.full((B, W), -1, np.int64)
-    num = np.zeros(B, np.int64)
-    for b, d in enumerate(drafts):
-        dt, dp = _tokens_parents(d)
-        n = min(len(dt), W - 1)
-        num[b] = n
-        tokens[b, 0] = roots[b]
-        parents[b, 0] = -1
-        mask[b, 0, 0] = True
-        tokens[b, 1:n + 1] = dt[:n]
-        parents[b, 1:n + 1] = dp[:n] + 1  # rows: root is 0, node j is j + 1; padding hangs off the root
-        last_child = np.full(W, -1, np.int64)
-        for i in range(1, W):
-            p = parents[b, i]
-            mask[b, i] = mask[b, p]
-            mask[b, i, i] = True
-            depths[b, i] = depths[b, p] + 1
-            if last_child[p] < 0:
-                nxt_tok[b, p] = i
-            else:
-                nxt_sib[b, last_child[p]] = i
-            last_child[p] = i
-    retrieve_index = np.arange(B * W, dtype=np.int64).reshape(B, W)
-    return TreeLayout(tokens, parents, mask, depths, retrieve_index, nxt_tok, nxt_sib, num)
+    pairs = [_tokens_parents(d) for d in drafts]
+    lengths = np.array([min(len(t), int(width) - 1) for t, _ in pairs], np.int64)
+    offsets = np.zeros(B + 1, np.int64)
+    np.cumsum([len(t) for t, _ in pairs], out=offsets[1:])
+    tokens = np.concatenate([np.asarray(t, np.int64) for t, _ in pairs]) if B else np.zeros(0, np.int64)
+    parents = np.concatenate([np.asarray(p, np.int64) for _, p in pairs]) if B else np.zeros(0, np.int64)
+    return layout_flat(tokens, parents, offsets, lengths, np.asarray(roots, np.int64).reshape(B), width)
+
+
+def warm_up() -> None:
+    """Compile the layout kernel for the dtypes the cache's drafts have."""
+    for dt in (np.int32, np.int64):
+        layout_flat(np.array([5], dt), np.array([-1], dt), np.array([0, 1], np.int64), np.array([1], np.int64),
+                    np.array([1], np.int64), 3)
 
 
 def accepted_path(tokens, parents, truth) -> list[int]:

@@ -11,7 +11,10 @@ shared caches, other requests'), never a request's future, except the declared u
 A replay records how many batched steps ran at each (batch size, verify width); a cost profile turns that
 into time, so one replay is costed under every profile unless the method's drafts depend on the profile
 (adaptive methods, `oracle-ctl`), which are replayed once per profile. `speedup` is the time of plain
-decoding (`none`) over the method's time, for the same trace, profile and batch.
+decoding (`none`) over the method's time, for the same trace, profile and batch. With `--host-cost measured`
+each step's time also holds the host time the method really took for it (request admission, drafting,
+bookkeeping: wall clock in this process), as a server pays it on the critical path; rows then carry both
+figures, `speedup_no_host` and `speedup_with_host` (`speedup` is the latter).
 """
 from __future__ import annotations
 
@@ -163,10 +166,22 @@ def replay(trace: Trace, method: Method, batch: int = 1, profile: CostProfile | 
     return result
 
 
-def summarize(run: Replay, profile: CostProfile, baseline: Replay) -> dict:
-    """One result row: `run` costed under `profile`, speedup against the `none` replay `baseline`."""
+HOST_COSTS = ("none", "measured")
+
+
+def summarize(run: Replay, profile: CostProfile, baseline: Replay, host_cost: str = "none") -> dict:
+    """One result row: `run` costed under `profile`, speedup against the `none` replay `baseline`; with
+    ``host_cost="measured"`` both times also hold the host time the replay measured (see the module docstring)."""
+    if host_cost not in HOST_COSTS:
+        raise ValueError(f"host_cost must be one of {HOST_COSTS}, got {host_cost!r}")
     time_ms = profile.total_ms(run.step_counts)
     base_ms = profile.total_ms(baseline.step_counts)
+    host = {}
+    if host_cost == "measured":
+        host_ms, base_host_ms = run.proposer_s * 1e3, baseline.proposer_s * 1e3
+        host = {"speedup_no_host": base_ms / time_ms,
+                "speedup_with_host": (base_ms + base_host_ms) / (time_ms + host_ms), "host_ms": host_ms}
+        time_ms, base_ms = time_ms + host_ms, base_ms + base_host_ms
     widths = sum(w * n for (_, w), n in run.step_counts.items())
     return {
         "trace": run.trace, "method": run.method, "profile": profile.name, "batch": run.batch,
@@ -181,6 +196,7 @@ def summarize(run: Replay, profile: CostProfile, baseline: Replay) -> dict:
         "proposer_us_per_token": run.proposer_s / run.tokens * 1e6,
         "replay_s": run.replay_s,
         "width_steps": {str(w): n for w, n in sorted(_width_steps(run.step_counts).items())},
+        **host,
     }
 
 
@@ -241,7 +257,7 @@ def check_profiles(profile_specs) -> list[CostProfile]:
 
 
 def run_all(trace_paths, method_specs, profile_specs, batches, jobs: int = 1, max_requests: int | None = None,
-            progress: bool = True, tokenizer: str | None = None) -> list[dict]:
+            progress: bool = True, tokenizer: str | None = None, host_cost: str = "none") -> list[dict]:
     """Replay every (trace, method, batch), once per profile only where the method needs it; cost them all.
     Text traces are tokenized with `tokenizer` (a spec for `ngramspec.text.load_tokenizer`)."""
     if max_requests is not None and max_requests < 1:
@@ -284,7 +300,7 @@ def run_all(trace_paths, method_specs, profile_specs, batches, jobs: int = 1, ma
                     run = runs.get((str(path), spec, batch, None, max_requests))
                     if run is None:
                         run = runs[(str(path), spec, batch, profile_spec, max_requests)]
-                    rows.append(summarize(run, profile, baseline))
+                    rows.append(summarize(run, profile, baseline, host_cost))
     return rows
 
 
@@ -295,11 +311,14 @@ COLUMNS = [("trace", "s"), ("method", "s"), ("profile", "s"), ("batch", "d"), ("
 
 def format_table(rows: list[dict]) -> str:
     """A markdown table of the result rows."""
-    heads = [name for name, _ in COLUMNS]
+    columns = COLUMNS
+    if rows and "speedup_with_host" in rows[0]:
+        columns = COLUMNS + [("speedup_no_host", ".3f"), ("speedup_with_host", ".3f")]
+    heads = [name for name, _ in columns]
     lines = ["| " + " | ".join(heads) + " |",
-             "|" + "|".join("---" if fmt == "s" else "---:" for _, fmt in COLUMNS) + "|"]
+             "|" + "|".join("---" if fmt == "s" else "---:" for _, fmt in columns) + "|"]
     for row in rows:
-        lines.append("| " + " | ".join(format(row[name], fmt) for name, fmt in COLUMNS) + " |")
+        lines.append("| " + " | ".join(format(row[name], fmt) for name, fmt in columns) + " |")
     return "\n".join(lines)
 
 
@@ -552,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wide", action="store_true",
                         help="print one line per (trace, method) with every profile and batch side by side")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--host-cost", choices=HOST_COSTS, default="none",
+                        help="measured: add each step's measured host time to its cost (reports both speedups)")
     args = parser.parse_args(argv)
     batches = args.batch or [1]
     from ngramspec.profiles import BUILTIN_PROFILES
@@ -568,7 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             methods = args.method
         rows = run_all(args.traces, methods, profiles, batches, jobs=args.jobs, max_requests=args.max_requests,
-                       progress=not args.no_progress, tokenizer=args.tokenizer)
+                       progress=not args.no_progress, tokenizer=args.tokenizer,
+                       host_cost=args.host_cost)
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"ngramspec simulate: error: {exc}", file=sys.stderr)
         return 2

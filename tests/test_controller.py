@@ -211,7 +211,7 @@ def test_every_draft_is_judged_while_older_ones_are_pending():
         ctl.observe_step(1, 1, 1.0)
     depth_one = ctl.top_trials.reshape(2, 6, 4, 4)[:, :, 0, :].sum()
     assert roots_proposed > 50 and depth_one == roots_proposed
-    assert len(ctl.requests[0].pending) > 1  # the copy keeps several drafts alive at once
+    assert ctl.pending(0) > 1  # the copy keeps several drafts alive at once
 
 
 class _QueueBlind:
@@ -247,3 +247,330 @@ def test_simulator_method_takes_a_width_set():
     assert make_method("ngramspec-adaptive:widths=4-8").ctl.widths == [1, 4, 8]  # plain decoding always there
     with pytest.raises(ValueError, match="widths"):
         make_method("ngramspec-adaptive:widths=1-x")
+
+
+# ------------------------------------------------------------------------ the numba controller vs the reference
+def _lockstep(records, batch, profile, steps, waiting_of=lambda n_left: n_left, **kw):
+    """Replay ``records`` with the pure-Python reference controller and the numba one side by side (each with its
+    own cache, fed the same tokens); return both decision logs."""
+    import controller_reference as ref
+    from ngramspec.controller import CostModel
+
+    widths = DEFAULT_WIDTHS_
+    new = AdaptiveController(widths, cost_clip=None, stale_after=None, **kw)
+    old = ref.ReferenceController(widths, costs=CostModel(default_prior, widths=widths, clip=None,
+                                                         stale_after=None), **kw)
+    caches = [NgramCache(max_depth=16), NgramCache(max_depth=16)]
+    pos, active, upcoming, logs = {}, [], 0, ([], [])
+    for _ in range(steps):
+        while len(active) < batch and upcoming < len(records):
+            for c, ctl in zip(caches, (old, new)):
+                c.start_request(upcoming, records[upcoming]["prompt"])
+                ctl.start(upcoming)
+            pos[upcoming] = 0
+            active.append(upcoming)
+            upcoming += 1
+        if not active:
+            break
+        waiting = waiting_of(len(records) - upcoming)
+        plans = []
+        for c, ctl, log in zip(caches, (old, new), logs):
+            drafts = c.propose(active, 15)
+            p = ctl.plan(active, drafts, waiting=waiting)
+            plans.append((p, drafts))
+            log.append((p.width, p.lengths.tolist(), p.expected, p.cost, p.reason))
+        p, drafts = plans[0]
+        for i, rid in enumerate(active):
+            out = records[rid]["output"]
+            d = drafts.draft(i).prefix(int(p.lengths[i]))
+            cur, n = -1, 0
+            for t in out[pos[rid]:]:
+                nxt = next((j for j in range(len(d)) if d.parents[j] == cur and d.tokens[j] == t), -1)
+                if nxt < 0:
+                    break
+                cur, n = nxt, n + 1
+            k = min(n + 1, len(out) - pos[rid])
+            committed = out[pos[rid]:pos[rid] + k]
+            pos[rid] += k
+            for c, ctl in zip(caches, (old, new)):
+                c.add_tokens(rid, committed)
+                ctl.observe_tokens(rid, committed)
+        for ctl in (old, new):
+            ctl.observe_step(len(active), p.width, profile.cost_ms(len(active), p.width))
+        for rid in [r for r in active if pos[r] == len(records[r]["output"])]:
+            active.remove(rid)
+            for c, ctl in zip(caches, (old, new)):
+                c.finish_request(rid)
+                ctl.finish(rid)
+    for a, b in ((old.succ, new.succ), (old.trials, new.trials), (old.top_trials, new.top_trials)):
+        assert np.array_equal(a, b)
+    return logs
+
+
+DEFAULT_WIDTHS_ = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def _synthetic_records(seed, n=12):
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 400, 300).tolist() for _ in range(3)]
+    recs = []
+    for i in range(n):
+        doc = docs[i % 3]
+        a = int(rng.integers(0, 150))
+        out = doc[a:a + 60] + rng.integers(0, 400, 40).tolist() + doc[a + 60:a + 120]
+        recs.append({"prompt": doc[:200] + rng.integers(0, 400, 30).tolist(), "output": out})
+    return recs
+
+
+@pytest.mark.parametrize("batch, waiting", [(1, "queue"), (4, "queue"), (4, "unknown"), (6, "drain")])
+def test_numba_controller_takes_the_reference_decisions(batch, waiting):
+    """The numba kernels (cells, shadow evaluation, cost model, width choice) reproduce the pure-Python
+    controller decision for decision, expected tokens and estimated cost bit for bit."""
+    waiting_of = {"queue": lambda n: n, "unknown": lambda n: None, "drain": lambda n: 0}[waiting]
+    old, new = _lockstep(_synthetic_records(batch), batch, SEED, 400, waiting_of)
+    assert len(old) > 100 and old == new
+    assert len({w for w, *_ in old}) > 2  # the run exercised several widths
+
+
+def test_numba_controller_takes_the_reference_decisions_on_a_real_trace():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mtbench_vicuna7b.jsonl.gz"
+    if not path.is_file():
+        pytest.skip(f"{path} not present")
+    from ngramspec.traces import load_trace
+
+    tr = load_trace(str(path)).head(24)
+    recs = [{"prompt": r.prompt.tolist(), "output": r.output.tolist()} for r in tr.requests]
+    for profile in ("h200-llama8b", "seed-pcie8"):
+        old, new = _lockstep(recs, 8, get_profile(profile), 600)
+        assert len(old) > 300 and old == new
+
+
+def test_cost_model_matches_the_reference_when_unclipped():
+    import controller_reference as ref
+
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        a = CostModel(seed_cost, clip=None, stale_after=None)
+        b = ref.ReferenceCostModel(seed_cost)
+        for _ in range(int(rng.integers(0, 12))):
+            B, w = int(rng.integers(1, 70)), int(rng.choice(DEFAULT_WIDTHS_))
+            ms = float(rng.uniform(1, 50))
+            a.observe(B, w, ms)
+            b.observe(B, w, ms)
+        for B in (1, 2, 3, 7, 16, 33, 64, 100):
+            for w in DEFAULT_WIDTHS_:
+                assert a.estimate(B, w) == b.estimate(B, w), (trial, B, w)
+                assert a.measured(B, w) == b.measured(B, w)
+
+
+# ---------------------------------------------------------------------------------------- bad input, robustness
+def _ready(widths=(1, 2, 4, 8)):
+    cache, ctl = NgramCache(max_depth=8), AdaptiveController(widths, prior=seed_cost)
+    for rid in ("a", "b"):
+        cache.start_request(rid, [1, 2, 3, 1, 2, 3, 1, 2])
+        ctl.start(rid)
+    return cache, ctl
+
+
+def _state(ctl):
+    c = ctl.costs
+    return (ctl.succ.copy(), ctl.trials.copy(), ctl._success.copy(), ctl._nd.copy(), ctl._nn.copy(),
+            c._ewma.copy(), c._ratio.copy(), c._g.copy(), c.clock, ctl._n_steps, len(ctl.trace))
+
+
+def _same(s1, s2):
+    return all(np.array_equal(x, y, equal_nan=True) if isinstance(x, np.ndarray) else x == y for x, y in zip(s1, s2))
+
+
+@pytest.mark.parametrize("args", [(0, 2, 5.0), (-3, 2, 5.0), (1.5, 2, 5.0), (True, 2, 5.0), (2, 0, 5.0),
+                                  (2, -3, 5.0), (2, 99, 5.0), (2, 3, 5.0), (2, 2, 0.0), (2, 2, -1.0),
+                                  (2, 2, float("nan")), (2, 2, float("inf")), (2, 2, "5"), (2, 2, None)])
+def test_bad_step_reports_are_rejected_and_change_nothing(args):
+    cache, ctl = _ready()
+    ctl.observe_step(2, 2, 6.0)
+    before = _state(ctl)
+    with pytest.raises(ValueError):
+        ctl.observe_step(*args)
+    assert _same(before, _state(ctl))
+    plan = ctl.plan(["a", "b"], cache.propose(["a", "b"], 7))  # the controller still works
+    assert plan.width in ctl.widths and np.isfinite(plan.cost)
+
+
+def test_an_empty_batch_plans_a_plain_step():
+    cache, ctl = _ready()
+    ctl.observe_step(2, 2, 6.0)
+    before = _state(ctl)
+    plan = ctl.plan([], cache.propose([], 7))
+    assert plan.width == 1 and plan.lengths.shape == (0,) and plan.reason == "no-draft"
+    assert _same(before, _state(ctl))
+
+
+def test_a_failed_plan_changes_nothing():
+    cache, ctl = _ready()
+    batch = cache.propose(["a", "b"], 7)
+    assert batch.offsets[-1] > 0
+    before = _state(ctl)
+    with pytest.raises(ValueError, match="drafts"):
+        ctl.plan(["a"], batch)  # two drafts, one request id
+    with pytest.raises(ValueError, match="twice"):
+        ctl.plan(["a", "a"], batch)
+    with pytest.raises(KeyError, match="unknown"):
+        ctl.plan(["a", "zz"], batch)
+    with pytest.raises(ValueError, match="waiting"):
+        ctl.plan(["a", "b"], batch, waiting=-1)
+    with pytest.raises(TypeError, match="DraftBatch"):
+        ctl.plan(["a", "b"], [batch.draft(0), batch.draft(1)])
+    assert _same(before, _state(ctl)) and ctl.pending("a") == 0
+
+
+@pytest.mark.parametrize("widths", [(0, 2), (-3, 4), (1, 2.5), (1, True), (), (1, 5000)])
+def test_bad_widths_are_rejected(widths):
+    with pytest.raises(ValueError, match="widths"):
+        AdaptiveController(widths)
+
+
+@pytest.mark.parametrize("tokens", [[-1], [1.5], [1, -1], ["3"], [2**31], np.array([1.5])])
+def test_bad_committed_tokens_are_rejected_and_change_nothing(tokens):
+    cache, ctl = _ready()
+    ctl.plan(["a", "b"], cache.propose(["a", "b"], 7))
+    before = _state(ctl)
+    with pytest.raises((TypeError, ValueError)):
+        ctl.observe_tokens("a", tokens)
+    with pytest.raises((TypeError, ValueError)):
+        ctl.observe_batch(["a", "b"], [[1], tokens])
+    with pytest.raises(ValueError, match="twice"):
+        ctl.observe_batch(["a", "a"], [[1], [2]])
+    assert _same(before, _state(ctl))
+
+
+def _copy_run(steps, report, widths=(1, 2, 6), true=lambda w: {1: 10.0, 2: 12.0, 6: 15.0}[w]):
+    """One request copying a periodic text (every draft right): widths chosen per step; ``report(step, width)``
+    gives the duration reported for the step (the true cost unless it injects a stall)."""
+    rng = np.random.default_rng(8)
+    period = rng.integers(0, 5000, 50).tolist()
+    text = period * (steps * 6 // 50 + 4)
+    cache, ctl = NgramCache(max_depth=16), AdaptiveController(widths)
+    cache.start_request(0, text[:100])
+    ctl.start(0)
+    pos, log = 100, []
+    for step in range(steps):
+        batch, plan = ctl.step(cache, [0], None if step == 0 else [committed])
+        d = batch.draft(0).prefix(int(plan.lengths[0]))
+        cur, n = -1, 0
+        for t in text[pos:]:
+            nxt = next((j for j in range(len(d)) if d.parents[j] == cur and d.tokens[j] == t), -1)
+            if nxt < 0:
+                break
+            cur, n = nxt, n + 1
+        committed = text[pos:pos + n + 1]
+        pos += n + 1
+        ctl.observe_step(1, plan.width, report(step, plan.width) or true(plan.width))
+        log.append(plan.width)
+    return log, ctl
+
+
+def test_one_stall_does_not_ban_a_width():
+    """A single 1000 ms step at width 6 (true 15 ms) moves its estimate by a bounded share: width 6 stays."""
+    stall = {}
+
+    def report(step, width):
+        if width == 6 and step >= 50 and not stall:
+            stall["at"] = step
+            return 1000.0
+
+    log, ctl = _copy_run(120, report)
+    at = stall["at"]
+    assert log[at - 10:at] == [6] * 10 and log[at + 1:] == [6] * (len(log) - at - 1)
+    assert ctl.costs.estimate(1, 6) < 2 * 15.0
+
+
+def test_a_width_first_measured_in_a_stall_is_re_measured():
+    """Worst case: the first sample of width 6 is a 1000 ms stall, so its estimate starts 66x too high. It is
+    re-measured once stale (500 steps), within the bounded exploration share, and then chosen again."""
+    first = {}
+
+    def report(step, width):
+        if width == 6 and not first:
+            first["at"] = step
+            return 1000.0
+
+    log, ctl = _copy_run(1200, report)
+    assert first and log[first["at"] + 1: first["at"] + 400].count(6) == 0  # banned for a while...
+    assert log[-200:] == [6] * 200  # ...not for good
+    assert ctl._n_explored <= ctl.explore_min + ctl.explore_frac * ctl._n_steps + 1
+
+
+def test_first_propose_and_plan_after_warm_up_is_fast():
+    """warm_up() compiles (or loads) every kernel of cache and controller: in a fresh process the first
+    propose + plan, and the first whole step, take well under 50 ms each."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import time
+from ngramspec.cache import NgramCache, warm_up
+from ngramspec.controller import AdaptiveController
+warm_up()
+cache, ctl = NgramCache(), AdaptiveController()
+for rid in (0, 1):
+    cache.start_request(rid, list(range(40)) * 3)
+    ctl.start(rid)
+t0 = time.perf_counter()
+plan = ctl.plan([0, 1], cache.propose([0, 1], 15), waiting=3)
+t1 = time.perf_counter()
+batch, plan = ctl.step(cache, [0, 1], [[0, 1], [0]], waiting=0)
+ctl.observe_step(2, plan.width, 12.5)
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(p) for p in (_ROOT,)] + [os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    first, step = map(float, out.stdout.split())
+    assert first < 0.05 and step < 0.05, (first, step)
+
+
+from pathlib import Path  # noqa: E402
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_simulator_charges_measured_host_time():
+    """--host-cost measured: each step also costs the host time the method took; both speedups reported."""
+    import json
+
+    import gzip
+
+    from ngramspec.simulate import main
+
+    def write_trace(path, records):
+        with gzip.open(path, "wt") as fh:
+            for r in records:
+                fh.write(json.dumps(r) + "\n")
+
+    rng = np.random.default_rng(9)
+    doc = rng.integers(0, 90000, 300).tolist()
+    recs = [{"prompt": doc, "output": doc[:200]}, {"prompt": doc[:50], "output": rng.integers(0, 90000, 100).tolist()}]
+    tr = _trace(recs)
+    base = replay(tr, make_method("none"), 2)
+    run = replay(tr, make_method("ngramspec-adaptive"), 2, SEED)
+    plain = summarize(run, SEED, base)
+    both = summarize(run, SEED, base, host_cost="measured")
+    assert "speedup_with_host" not in plain and both["speedup_no_host"] == plain["speedup"]
+    assert both["host_ms"] == pytest.approx(run.proposer_s * 1e3) and both["host_ms"] > 0
+    base_ms, ms = SEED.total_ms(base.step_counts), SEED.total_ms(run.step_counts)
+    assert both["speedup"] == both["speedup_with_host"] == pytest.approx(
+        (base_ms + base.proposer_s * 1e3) / (ms + run.proposer_s * 1e3))
+    with pytest.raises(ValueError, match="host_cost"):
+        summarize(run, SEED, base, host_cost="guess")
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/t.jsonl.gz"
+        write_trace(path, recs)
+        assert main([path, "--method", "ngramspec-adaptive", "--profile", "seed-pcie8", "--host-cost", "measured",
+                     "--no-progress", "--json", f"{d}/rows.json"]) == 0
+        rows = json.load(open(f"{d}/rows.json"))
+        assert all(r["speedup_with_host"] < r["speedup_no_host"] for r in rows)

@@ -13,12 +13,15 @@ depend on tokens, acceptance and rank 0's timings only, and are identical on all
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
 from ngramspec.cache import DraftBatch, NgramCache
+from ngramspec.controller import AdaptiveController
+from ngramspec.layout import layout_flat
 
 from .config import AdaptiveConfig
 
@@ -145,9 +148,10 @@ class IntervalStats:
         self.drafted_tokens += int(plan.drafted.sum())
         self.expected_tokens += float(plan.expected_tokens)
 
-    def record_outcome(self, accepted: np.ndarray) -> None:
-        self.observed_requests += int(accepted.size)
-        self.realized_accepted += int(accepted.sum())
+    def record_outcome(self, accepted) -> None:
+        """Draft tokens accepted per request of the last step (a sequence of ints)."""
+        self.observed_requests += len(accepted)
+        self.realized_accepted += int(sum(accepted))
 
     def mean_width(self) -> float:
         """1 + drafted tokens per verified request: SGLang's accept rate is exact under this width."""
@@ -165,6 +169,9 @@ class IntervalStats:
     def reset(self) -> None:
         for name, value in IntervalStats().__dict__.items():
             setattr(self, name, value)
+
+
+from ngramspec.layout import tree_layout as _default_layout  # noqa: E402
 
 
 def _identity_broadcast(obj):
@@ -192,9 +199,7 @@ class DraftPlanner:
         self.controller = controller if controller is not None else make_controller(config)
         self.is_timing_rank = is_timing_rank
         self.broadcast = broadcast
-        if layout is None:
-            from ngramspec.layout import tree_layout as layout
-        self.layout = layout
+        self.layout = _default_layout if layout is None else layout
         self.stats = IntervalStats()
         self._fed: dict[Hashable, int] = {}  # committed tokens the cache has seen, per request
         self._untracked: set = set()  # requests the cache had no room for: served without drafts
@@ -208,7 +213,8 @@ class DraftPlanner:
         scheduler's queue length (identical on every TP rank), or None when unknown."""
         if not views:
             raise ValueError("plan() needs at least one request")
-        self.stats.record_outcome(self._sync(views))
+        rids, totals, committed, accepted = self._collect(views)
+        self.stats.record_outcome(accepted)
         if self._steps % self.config.tp_sync_interval == 0:
             samples = self.broadcast(self._local_durations if self.is_timing_rank else None) or []
             self._local_durations = []
@@ -216,17 +222,37 @@ class DraftPlanner:
                 self.controller.observe_step(s.batch_size, s.width, s.seconds * 1000.0)
         self._steps += 1
 
-        rids = [v.rid for v in views]
-        batch = self._propose(rids)
-        decision = self.controller.plan(rids, batch, waiting=waiting)
+        ctl = self.controller
+        if type(ctl) is AdaptiveController and not (self._untracked and any(r in self._untracked for r in rids)):
+            # the fast path: commit, propose and plan for the whole batch in a few kernel calls
+            batch, decision = ctl.step(self.cache, rids, committed, waiting=waiting, tree=self.config.tree)
+        else:
+            new_rids = [r for r, t in zip(rids, committed) if len(t) and r not in self._untracked]
+            if new_rids:
+                self.cache.add_tokens_batch(new_rids, [t for r, t in zip(rids, committed)
+                                                       if len(t) and r not in self._untracked])
+            for r, t in zip(rids, committed):
+                if len(t):
+                    ctl.observe_tokens(r, t)
+            batch = self._propose(rids)
+            decision = ctl.plan(rids, batch, waiting=waiting)
         plan = self._build(views, batch, decision)
-        for v, k in zip(views, plan.drafted):
-            self._last[v.rid] = (v.committed_len, int(k))
+        last = self._last
+        for rid, total, k in zip(rids, totals, plan.drafted.tolist()):
+            last[rid] = (total, k)
         self.stats.record_step(plan)
         return plan
 
     def record_duration(self, width: int, batch_size: int, seconds: float) -> None:
-        """A measured verify step (only kept on the timing rank; shared at the next sync step)."""
+        """A measured verify step (only kept on the timing rank; shared at the next sync step). ValueError for a
+        width not in the configured widths, a batch size < 1 or a duration that is not positive and finite."""
+        if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or int(width) not in self.config.widths:
+            raise ValueError(f"width must be one of {self.config.widths}, got {width!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)) \
+                or not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"step duration must be a positive finite number of seconds, got {seconds!r}")
         if self.is_timing_rank:
             self._local_durations.append(DurationSample(int(width), int(batch_size), float(seconds)))
 
@@ -242,43 +268,61 @@ class DraftPlanner:
                     self.cache.finish_request(rid, share=True)
                 self.controller.finish(rid)
 
+    def warm_up(self) -> None:
+        """Compile every kernel the planner uses (cache, controller, layout) on throwaway objects of the same
+        kinds; the planner's own cache, controller, counters and timings are untouched."""
+        from ngramspec.cache import warm_up
+
+        warm_up()
+        cache = NgramCache(max_depth=self.config.max_depth, max_requests=4, local_nodes=256, shared_nodes=256,
+                           shared_tokens=256)
+        scratch = DraftPlanner(self.config, cache=cache, controller=make_controller(self.config),
+                               layout=self.layout)
+        text = [1, 2, 3, 1, 2, 3, 1, 2]
+        for waiting in (None, 0, 1):
+            out = text[: 2 + (waiting or 0)]
+            plan = scratch.plan([RequestView("a", text, out), RequestView("b", text[:4], [])], waiting=waiting)
+            scratch.record_duration(plan.width, 2, 0.01)
+        scratch.release(["a", "b"])
+
     @property
     def tracked_requests(self) -> set:
         return set(self._fed)
 
     # ------------------------------------------------------------------------------------- inner
-    def _sync(self, views: Sequence[RequestView]) -> np.ndarray:
-        """Feed tokens committed since the last plan to cache and controller; return the draft tokens
-        accepted per request of the last plan (committed growth minus the bonus token)."""
-        new_rids, new_tokens, accepted = [], [], []
+    def _collect(self, views: Sequence[RequestView]):
+        """Start new requests, and per request: its id, committed length, the tokens committed since the last
+        plan (to feed cache and controller) and, for requests planned last step, the draft tokens accepted
+        (committed growth minus the bonus token)."""
+        rids, totals, committed, accepted = [], [], [], []
+        fed_of, last_of = self._fed, self._last
         for v in views:
+            rid = v.rid
             total = v.committed_len
-            fed = self._fed.get(v.rid)
+            fed = fed_of.get(rid)
             if fed is None:
                 if total == 0:
-                    raise ValueError(f"request {v.rid!r} has no tokens")
+                    raise ValueError(f"request {rid!r} has no tokens")
                 prompt = list(v.prompt) if len(v.prompt) else v.tail(0)[:1]
                 try:
-                    self.cache.start_request(v.rid, prompt)
+                    self.cache.start_request(rid, prompt)
                 except RuntimeError as e:  # cache full: serve it undrafted rather than fail the batch
-                    self._untracked.add(v.rid)
-                    logger.warning("NGRAM_ADAPTIVE: request %r served without drafts: %s", v.rid, e)
-                self.controller.start(v.rid)
+                    self._untracked.add(rid)
+                    logger.warning("NGRAM_ADAPTIVE: request %r served without drafts: %s", rid, e)
+                self.controller.start(rid)
                 fed = len(prompt)
-                self._fed[v.rid] = fed
+                fed_of[rid] = fed
             if total > fed:
-                tokens = v.tail(fed)
-                if v.rid not in self._untracked:
-                    new_rids.append(v.rid)
-                    new_tokens.append(tokens)
-                self._fed[v.rid] = total
-                self.controller.observe_tokens(v.rid, tokens)
-            last = self._last.pop(v.rid, None)
+                committed.append(v.tail(fed))
+                fed_of[rid] = total
+            else:
+                committed.append(_NO_TOKENS)
+            last = last_of.pop(rid, None)
             if last is not None and total > last[0]:
                 accepted.append(max(0, min(last[1], total - last[0] - 1)))
-        if new_rids:
-            self.cache.add_tokens_batch(new_rids, new_tokens)
-        return np.asarray(accepted, dtype=np.int64)
+            rids.append(rid)
+            totals.append(total)
+        return rids, totals, committed, accepted
 
     def _propose(self, rids) -> DraftBatch:
         """Drafts for the batch; requests without cache state get empty drafts."""
@@ -305,13 +349,21 @@ class DraftPlanner:
         if width not in self.config.widths:
             raise ValueError(f"controller chose width {width}, not one of {self.config.widths}")
         lengths = np.asarray(decision.lengths, dtype=np.int64)
-        if lengths.shape != (len(views),):
-            raise ValueError(f"controller returned {lengths.shape} draft lengths for {len(views)} requests")
-        sizes = np.diff(batch.offsets)
-        if (lengths < 0).any() or (lengths > width - 1).any() or (lengths > sizes).any():
-            raise ValueError(f"draft lengths {lengths.tolist()} do not fit width {width} / drafts {sizes.tolist()}")
-        kept = [batch.draft(i).prefix(int(k)) for i, k in enumerate(lengths)]
-        roots = np.array([v.last_token() for v in views], dtype=np.int64)
-        lay = self.layout(kept, roots, width)
+        if not isinstance(self.controller, AdaptiveController):  # its plans fit by construction
+            if lengths.shape != (len(views),):
+                raise ValueError(f"controller returned {lengths.shape} draft lengths for {len(views)} requests")
+            sizes = batch.offsets[1:] - batch.offsets[:-1]
+            if lengths.size and (lengths.min() < 0 or lengths.max() > width - 1 or (lengths > sizes).any()):
+                raise ValueError(f"draft lengths {lengths.tolist()} do not fit width {width} / drafts "
+                                 f"{sizes.tolist()}")
+        roots = np.fromiter((v.last_token() for v in views), np.int64, len(views))
+        if self.layout is _default_layout:
+            lay = layout_flat(batch.tokens, batch.parents, batch.offsets, lengths, roots, width)
+        else:
+            kept = [batch.draft(i).prefix(int(k)) for i, k in enumerate(lengths)]
+            lay = self.layout(kept, roots, width)
         return StepPlan(width, lengths, float(decision.expected), str(decision.reason), lay.tokens, lay.mask,
                         lay.depths, lay.retrieve_index, lay.retrieve_next_token, lay.retrieve_next_sibling)
+
+
+_NO_TOKENS: list = []

@@ -252,3 +252,93 @@ def test_the_queue_length_reaches_the_controller():
     p.plan([RequestView("r", [1, 2, 3], [])], waiting=5)
     p.plan([RequestView("r", [1, 2, 3], [4])])
     assert ctrl.waiting == [5, None]
+
+
+@pytest.mark.parametrize("args", [(3, 2, 0.01), (0, 2, 0.01), (True, 2, 0.01), (2, 0, 0.01), (2, -1, 0.01),
+                                  (2, 2, 0.0), (2, 2, -0.01), (2, 2, float("nan")), (2, 2, float("inf")),
+                                  (2, 2, "0.01"), (2, 2.5, 0.01)])
+def test_bad_durations_are_rejected(args):
+    p = planner()
+    p.plan([RequestView("a", [1, 2, 1, 2], [])])
+    with pytest.raises(ValueError):
+        p.record_duration(*args)
+    assert p._local_durations == []
+    p.record_duration(2, 1, 0.01)
+    assert len(p._local_durations) == 1
+
+
+def _drive(p, steps=40):
+    text = [3, 1, 4, 1, 5, 9, 2, 6] * 4
+    outs = {"x": [], "y": []}
+    plans = []
+    for step in range(steps):
+        views = [RequestView("x", text, outs["x"]), RequestView("y", [7, 7, 7, 8], outs["y"])]
+        plan = p.plan(views, waiting=step % 3)
+        plans.append((plan.width, plan.drafted.tolist(), plan.tokens.tolist(), plan.mask.tolist(), plan.reason))
+        p.record_duration(plan.width, 2, 0.01 + 0.001 * plan.width)
+        outs["x"].append(text[len(outs["x"]) % len(text)])
+        outs["y"].append(step % 5)
+        if step == 25:
+            p.release(["y"])
+            outs["y"] = []
+    return plans
+
+
+def test_fast_path_plans_like_the_per_request_calls():
+    """The planner's one-call step (AdaptiveController.step + the layout kernel) plans exactly as the generic
+    path (observe_tokens per request, propose, plan, layout of each draft)."""
+    class Generic(AdaptiveController):  # not exactly AdaptiveController: the planner takes the generic path
+        pass
+
+    def layout(drafts, roots, width):
+        from ngramspec.layout import tree_layout
+        return tree_layout(drafts, roots, width)
+
+    fast = _drive(planner())
+    slow = _drive(planner(controller=Generic((1, 2, 4, 8)), layout=layout))
+    assert fast == slow and {w for w, *_ in fast} != {1}
+
+
+def test_warm_up_leaves_the_planner_as_it_was():
+    p = planner()
+    p.plan([RequestView("a", [1, 2, 3, 1, 2, 3], [])])
+    p.record_duration(2, 1, 0.01)
+    before = (p.tracked_requests, p.cache.stats(), p.controller.trials.copy(), p.controller.costs.clock,
+              p.stats.summary(), p._steps, list(p._local_durations), dict(p._fed))
+    p.warm_up()
+    after = (p.tracked_requests, p.cache.stats(), p.controller.trials.copy(), p.controller.costs.clock,
+             p.stats.summary(), p._steps, list(p._local_durations), dict(p._fed))
+    assert before[0] == after[0] and before[1] == after[1] and np.array_equal(before[2], after[2])
+    assert before[3:] == after[3:]
+    assert p.plan([RequestView("a", [1, 2, 3, 1, 2, 3], [1])]).width in (1, 2, 4, 8)
+
+
+def test_first_plan_after_warm_up_is_fast():
+    """In a fresh process, after DraftPlanner.warm_up() the first plan (new requests: cache, controller and
+    layout kernels all used) takes well under 50 ms."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = """
+import time
+from ngramspec_sglang.config import AdaptiveConfig
+from ngramspec_sglang.drafting import DraftPlanner, RequestView
+p = DraftPlanner(AdaptiveConfig(widths=(1, 2, 4, 8, 16), max_depth=16))
+p.warm_up()
+t0 = time.perf_counter()
+p.plan([RequestView("a", [1, 2, 3] * 20, [1]), RequestView("b", [5, 6, 7] * 9, [])], waiting=0)
+t1 = time.perf_counter()
+p.record_duration(2, 2, 0.01)
+p.plan([RequestView("a", [1, 2, 3] * 20, [1, 2]), RequestView("b", [5, 6, 7] * 9, [5])], waiting=1)
+t2 = time.perf_counter()
+print(t1 - t0, t2 - t1)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "integration"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    first, second = map(float, out.stdout.split())
+    assert first < 0.05 and second < 0.05, (first, second)
