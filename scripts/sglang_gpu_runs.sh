@@ -2,7 +2,7 @@
 # The SGLang server checks of docs/sglang.md, on a GPU machine with SGLang 0.5.23 (for this project's test
 # machines: after `source .gpukit/device/env.sh`, see docs/sglang.md). Results land in $OUT (default ./out/sglang).
 #   bash scripts/sglang_gpu_runs.sh tiny            # random-weight Llama: fixed width 1 vs plain; TP=2 vs TP=1 (2 GPUs)
-#   bash scripts/sglang_gpu_runs.sh smollm2 MODEL   # SmolLM2-135M-Instruct float32: plain, NGRAM, NGRAM_ADAPTIVE
+#   bash scripts/sglang_gpu_runs.sh smollm2 MODEL   # SmolLM2-135M-Instruct float16: plain, NGRAM, NGRAM_ADAPTIVE
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/sglang}; mkdir -p "$OUT"
@@ -32,7 +32,7 @@ PY
     fi
     ;;
   smollm2)
-    $BENCH --model "$2" --dtype float32 --out "$OUT/smollm2.json" --logs "$OUT/logs_smollm2" --prompts-per-set 16 \
+    $BENCH --model "$2" --dtype float16 --out "$OUT/smollm2.json" --logs "$OUT/logs_smollm2" --prompts-per-set 16 \
       --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive}" --timeout 400
     ;;
   *) echo "usage: $0 tiny | smollm2 MODEL_DIR [configs]" >&2; exit 2 ;;

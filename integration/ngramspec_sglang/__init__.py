@@ -1,7 +1,7 @@
 """SGLang plugin: `--speculative-algorithm NGRAM_ADAPTIVE` (ngramspec's cache and adaptive controller).
 
 SGLang calls `register()` in every process through the `sglang.srt.plugins` entry point
-(`pip install ngramspec[sglang]` installs it; `SGLANG_PLUGINS=ngram_adaptive` selects it).
+(installing ngramspec, from a checkout or its wheel, installs it; `SGLANG_PLUGINS=ngram_adaptive` selects it).
 """
 from __future__ import annotations
 

@@ -63,7 +63,7 @@ from sglang.srt.utils import is_cpu
 
 from .algorithm import set_cpu_seq_lens_need
 from .config import resolve_config
-from .drafting import DraftPlanner, RequestView
+from .drafting import DraftPlanner
 from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens, request_views
 from .timing import StepTimer
 
@@ -114,7 +114,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
 
             self._gauges = NgramspecGauges()
         t0 = time.perf_counter()
-        _warm_up(self.config)  # compile every numba kernel now, not inside the first request
+        self.planner.warm_up()  # compile every numba kernel now, not inside the first request
         logger.info("NGRAM_ADAPTIVE: widths %s, tree=%s, max_depth=%d, controller=%s (kernels ready in %.1f s)",
                     self.config.widths, self.config.tree, self.config.max_depth,
                     type(self.planner.controller).__name__, time.perf_counter() - t0)
@@ -298,7 +298,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         return {}
 
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
-        # Acceptance is learnt from committed-length growth at the next draft (DraftPlanner._sync).
+        # Acceptance is learnt from committed-length growth at the next draft (DraftPlanner._collect).
         return None
 
     # ------------------------------------------------------------------------------ stepping
@@ -550,26 +550,6 @@ class NgramAdaptiveWorker(NGRAMWorker):
             speculative_num_draft_tokens=width,
             speculative_output_stride=self.max_width,
         )
-
-
-def _warm_up(config) -> None:
-    """Compile every kernel the planner runs per step (cache, controller, layout) on a throwaway planner."""
-    planner = DraftPlanner(config, max_requests=4, cache=_tiny_cache(config))
-    views = [RequestView(0, [1, 2, 3, 1, 2, 3, 1, 2], [3]), RequestView(1, [4, 5, 4, 5, 4], [])]
-    for out in ([3], [3, 1], [3, 1, 2, 3]):
-        views[0] = RequestView(0, views[0].prompt, out)
-        planner.plan(views, waiting=0)
-        planner.plan(views, waiting=None)
-        planner.record_duration(1, 2, 0.01)
-        planner.record_duration(config.max_width, 2, 0.02)
-    planner.release([0, 1])
-
-
-def _tiny_cache(config):
-    from ngramspec.cache import NgramCache
-
-    return NgramCache(max_depth=config.max_depth, max_requests=4, local_nodes=1 << 10, shared_nodes=1 << 10,
-                      shared_tokens=1 << 10)
 
 
 class _HostProfile:

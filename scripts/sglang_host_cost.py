@@ -13,7 +13,7 @@ feeds the controller. Reported: mean host milliseconds per step
 mean verify width, and modelled tokens/s (committed tokens / summed profile step costs; host time excluded).
 No GPU involved.
 
-    python -m ngramspec_sglang.host_cost --trace ../shared/traces/chat_gpt4.jsonl.gz --batch 1 8 32
+    python scripts/sglang_host_cost.py --trace ../shared/traces/chat_gpt4.jsonl.gz --batch 1 8 32
 """
 from __future__ import annotations
 
@@ -27,10 +27,9 @@ import numpy as np
 
 from ngramspec.layout import accepted_path
 
-from .config import AdaptiveConfig
-from .drafting import DraftPlanner, RequestView
+from ngramspec_sglang.config import AdaptiveConfig
+from ngramspec_sglang.drafting import DraftPlanner, RequestView
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "chat_gpt4.jsonl.gz"
 WARMUP_STEPS = 10  # not timed: numba compilation / first-call costs
 
 
@@ -141,7 +140,7 @@ def run_sglang_ngram(records, width: int, max_steps: int, profile=None) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
+    ap.add_argument("--trace", required=True, help="a trace of token-id records (.jsonl.gz)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--width", type=int, default=16, help="verify width for both (NGRAM's draft_token_num)")
     ap.add_argument("--max-steps", type=int, default=300)
