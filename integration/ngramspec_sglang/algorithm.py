@@ -65,6 +65,8 @@ class NgramAdaptiveAlgo(CustomSpecAlgo):
 
         if _backends_need_cpu_seq_lens is not None:
             needs_cpu_seq_lens = bool(_backends_need_cpu_seq_lens())
+            logger.info("%s: overlap relay %s host sequence lengths", ALGORITHM_NAME,
+                        "with" if needs_cpu_seq_lens else "without")
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
 
     def resolve_max_speculative_num_draft_tokens(self, server_args) -> int:
