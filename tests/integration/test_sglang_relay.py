@@ -125,3 +125,20 @@ def test_relayed_last_tokens_reads_each_requests_last_accepted_token(sglang_part
     assert got.tolist() == [8, 4, 6] and got.dtype == torch.int64
     assert relayed_last_tokens(NgramVerifyInput(draft_token_num=4, new_seq_lens=torch.tensor([1])), 1) is None
     assert relayed_last_tokens(None, 2) is None
+
+
+def test_the_worker_decides_whether_the_relay_carries_host_sequence_lengths(sglang_parts):
+    from ngramspec_sglang.algorithm import set_cpu_seq_lens_need
+
+    algo = sglang_parts[0]
+    pool = SimpleNamespace(req_to_token=torch.zeros((8, 64), dtype=torch.int32))
+    try:
+        for backends_need in (False, True):
+            set_cpu_seq_lens_need(lambda: backends_need)
+            # SGLang asks for host lengths for any n-gram algorithm; the worker's answer wins
+            assert algo.create_future_map(torch.device("cpu"), pool, needs_cpu_seq_lens=True).needs_cpu_seq_lens \
+                is backends_need
+        set_cpu_seq_lens_need(None)  # no worker in this process: SGLang's decision stands
+        assert algo.create_future_map(torch.device("cpu"), pool, needs_cpu_seq_lens=True).needs_cpu_seq_lens
+    finally:
+        set_cpu_seq_lens_need(None)
