@@ -40,6 +40,7 @@ import pytest
 from ngramspec import NgramCache
 from ngramspec.cache import warm_up
 from ngramspec.controller import AdaptiveController
+from ngramspec.layout import accepted_path
 from ngramspec.profiles import get_profile
 from ngramspec.traces import dev_trace_paths, load_trace
 
@@ -69,18 +70,6 @@ def _clock_cost() -> tuple[float, float]:
         w += w1 - w0
         c += c1 - c0
     return w / n, c / n
-
-
-def _accepted(tokens, parents, truth) -> int:
-    cur, n = -1, 0
-    for t in truth:
-        for j in range(len(tokens)):
-            if parents[j] == cur and tokens[j] == t:
-                cur, n = j, n + 1
-                break
-        else:
-            break
-    return n
 
 
 class Replay:
@@ -118,7 +107,7 @@ class Replay:
             done = []
             for rid, (toks, pars) in zip(active, drafts):
                 out, p = outputs[rid], pos[rid]
-                n = min(_accepted(toks, pars, out[p:p + len(toks) + 1]) + 1, len(out) - p)
+                n = min(len(accepted_path(toks, pars, out[p:p + len(toks) + 1])) + 1, len(out) - p)
                 committed[rid] = out[p:p + n]
                 pos[rid] = p + n
                 tokens += n

@@ -28,31 +28,13 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from numba import njit
 
+from ngramspec.layout import accepted_length
 from ngramspec.methods import Method, make_method
 from ngramspec.profiles import CostProfile, get_profile
 from ngramspec.traces import Trace, load_trace
 
 BASELINE = "none"
-
-
-@njit(cache=True)
-def accepted_length(tokens, parents, output, pos):
-    """Draft nodes greedy verification accepts against `output[pos:]`: from the root, step to the first child
-    (in node order) whose token is the next true token, as a tree verify kernel walks it."""
-    remaining = output.shape[0] - pos
-    current = -1
-    depth = 0
-    for j in range(tokens.shape[0]):
-        parent = parents[j]
-        if parent >= j or parent < -1:
-            raise ValueError("draft parents must satisfy -1 <= parents[j] < j")
-        # the children of `current` all come after it, so one forward pass finds the path
-        if parent == current and depth < remaining and tokens[j] == output[pos + depth]:
-            current = j
-            depth += 1
-    return depth
 
 
 @dataclass

@@ -16,7 +16,8 @@ import numpy as np
 
 from ngramspec.methods import make_method
 from ngramspec.profiles import get_profile
-from ngramspec.simulate import accepted_length, replay, summarize
+from ngramspec.layout import accepted_length
+from ngramspec.simulate import replay, summarize
 from ngramspec.traces import load_trace
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ngramspec.methods import EMPTY_DRAFT, chain, flag, register_method
 from ngramspec.methods.ngramspec_static import NgramspecStatic
-from ngramspec.simulate import accepted_length
+from ngramspec.layout import accepted_length
 
 
 class OracleController(NgramspecStatic):
