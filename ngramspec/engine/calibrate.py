@@ -16,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ngramspec.controller import DEFAULT_WIDTHS as _WIDTHS
+
 DEFAULT_BATCHES = "1,4,8,16"
-DEFAULT_WIDTHS = "1,2,3,4,6,8,12,16"
+DEFAULT_WIDTHS = ",".join(str(w) for w in _WIDTHS)  # the controller's candidate widths
 
 
 def _int_list(text: str, what: str) -> list[int]:
