@@ -67,9 +67,6 @@ class DraftBatch:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Draft(self.tokens[a:b], self.parents[a:b], self.probs[a:b], self.sources[a:b])
 
-    def __iter__(self):
-        return (self.draft(i) for i in range(len(self)))
-
 
 def _is_int(t) -> bool:
     return type(t) is int or (isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)))

@@ -80,16 +80,12 @@ def main(argv=None) -> int:
     import torch
 
     from ngramspec.engine.model import load_model
-    from ngramspec.engine.policy import controller_available
     from ngramspec.engine.prompts import chat_tokens, copy_heavy_prompts, free_text_prompts
     from ngramspec.engine.trace import write_trace
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [p for p in args.policies.split(",") if p]
-    if "adaptive" in policies and not controller_available():
-        print("ngramspec.controller missing: skipping policy 'adaptive'", flush=True)
-        policies.remove("adaptive")
     if policies[0] != "plain":
         raise SystemExit("the first policy must be 'plain' (the reference for identity and speedup)")
     t0 = time.perf_counter()
