@@ -22,10 +22,10 @@ Time is the calling thread's CPU time (the cost on one core, robust to other job
 cheap clock, where process CPU time costs several µs a read here), with the cost of reading the clocks
 subtracted; wall time is reported beside it. NgramCorpus inserts on a background thread: its CPU time is not in
 the CPU column (which therefore flatters it), its wall time is (`synchronize` waits for it). ``extra_info`` holds
-the medians (`*_us_per_request_step`) and the ratios to NgramCorpus measured in the same run. Trace: ``HOST_BENCH_TRACE``
-(default chat_gpt4), the first max(16, 2 x batch) requests, outputs cut to 128 tokens; the first 10 steps of
-each replay are untimed. Skips without ../shared/traces; SGLang and Arctic rows skip when their packages are
-missing.
+the medians (`*_us_per_request_step`) and the ratios to NgramCorpus measured in the same run. Trace:
+``HOST_BENCH_TRACE`` (default chat_gpt4), the first max(16, 2 x batch) requests, outputs cut to 128 tokens; the
+first 10 steps of each replay are untimed. Skips without ../shared/traces; SGLang and Arctic rows skip when their
+packages are missing.
 """
 from __future__ import annotations
 
@@ -215,8 +215,9 @@ class SglangCorpus:
     name = "SGLang NgramCorpus"
 
     def __init__(self):
-        from ngramspec.methods.sglang_ngram import split_sglang_drafts
         from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+
+        from ngramspec.methods.sglang_ngram import split_sglang_drafts
 
         self.split = split_sglang_drafts
         self.corpus = NgramCorpus(max_trie_depth=SGLANG_DEPTH, min_bfs_breadth=1, max_bfs_breadth=10,

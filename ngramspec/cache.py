@@ -20,8 +20,8 @@ identical drafts: everything here is deterministic).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, typed

@@ -53,8 +53,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -874,7 +874,8 @@ class AdaptiveController:
                 batch.match_lens, self._success, self.request_alpha, self.succ, self.trials, self.mid_succ,
                 self.mid_trials, self.top_succ, self.top_trials, self.prior_mean, self.prior_strength,
                 self._widths, costs, measured, stale, implied, waiting == 0 and B > 1, self.min_gain, may_explore,
-                may_remeasure, self.explore_optimism, self._cells, self._P, self._G, self._values, self._expected, lengths,
+                may_remeasure, self.explore_optimism, self._cells, self._P, self._G, self._values, self._expected,
+                lengths,
                 self._ptok, self._ppar, self._pcell, self._pstart, self._plen, self._pcur, self._nd, self._nn)
             if wi >= 0:
                 break

@@ -5,8 +5,8 @@ finishes) and every step all of them advance together. Each step the method prop
 greedy verification against the recorded output accepts the longest root path of the draft that matches
 it, and the step commits the accepted tokens plus one bonus token (a request's final step commits only
 what is left). Before each step a method is told how many requests are still queued (`method.waiting`, as a
-server's scheduler knows its queue). Methods only ever see tokens that were committed (their own request's and, through their
-shared caches, other requests'), never a request's future, except the declared upper bounds.
+server's scheduler knows its queue). Methods only ever see tokens that were committed (their own request's and,
+through their shared caches, other requests'), never a request's future, except the declared upper bounds.
 
 A replay records how many batched steps ran at each (batch size, verify width); a cost profile turns that
 into time, so one replay is costed under every profile unless the method's drafts depend on the profile

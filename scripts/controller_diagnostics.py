@@ -14,9 +14,9 @@ from collections import defaultdict
 
 import numpy as np
 
+from ngramspec.layout import accepted_length
 from ngramspec.methods import make_method
 from ngramspec.profiles import get_profile
-from ngramspec.layout import accepted_length
 from ngramspec.simulate import replay, summarize
 from ngramspec.traces import load_trace
 

@@ -12,13 +12,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+from engine_oracle import OracleCache  # noqa: E402
+
 from ngramspec import NgramCache  # noqa: E402
 from ngramspec.engine.decode import FixedPolicy, SpecDecoder  # noqa: E402
 from ngramspec.engine.model import KVModel, load_model, locate_gguf  # noqa: E402
 from ngramspec.engine.policy import make_policy  # noqa: E402
 from ngramspec.engine.prompts import chat_tokens, demo_prompts  # noqa: E402
-
-from engine_oracle import OracleCache  # noqa: E402
 
 NEW_TOKENS = 64
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from ngramspec import simulate
+from ngramspec.layout import accepted_length
 from ngramspec.methods import EMPTY_DRAFT, Method, chain, make_method
 from ngramspec.profiles import SEED_PCIE8, LinearProfile, TableProfile, get_profile
-from ngramspec.layout import accepted_length
 from ngramspec.simulate import replay, run_all, summarize
 from ngramspec.traces import data_dir, load_trace, make_trace
 

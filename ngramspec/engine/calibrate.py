@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 "head_dim": shape.head_dim, "inter": shape.inter, "vocab": shape.vocab},
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
         "dtype": args.dtype,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else f"cpu ({torch.get_num_threads()} threads)"),
         "torch": torch.__version__,
         "rows": rows,
     }
