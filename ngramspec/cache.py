@@ -416,5 +416,4 @@ def warm_up() -> None:
     c.finish_request(1, share=True)
     from ngramspec import layout
 
-    if hasattr(layout, "warm_up"):
-        layout.warm_up()
+    layout.warm_up()

@@ -243,10 +243,7 @@ def test_replay_is_deterministic():
 
 def test_profile_dependent_method_is_replayed_per_profile():
     trace = repetitive_trace()
-    try:
-        rows = run_all_trace(trace, ["oracle-ctl:k=8"], 1, profiles=(SEED_PCIE8, LinearProfile("flat", 1, 1, 0)))
-    except ImportError:
-        pytest.skip("ngramspec.cache not available")
+    rows = run_all_trace(trace, ["oracle-ctl:k=8"], 1, profiles=(SEED_PCIE8, LinearProfile("flat", 1, 1, 0)))
     seed_row, flat_row = rows
     # when verify costs no more than decode, the oracle controller never has a reason to hold back
     assert flat_row["accept_len"] >= seed_row["accept_len"]
