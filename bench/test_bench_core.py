@@ -44,6 +44,7 @@ import numpy as np
 import pytest
 
 from ngramspec import NgramCache, _draft, _shared
+from ngramspec.layout import accepted_path
 from ngramspec.traces import dev_trace_paths, load_trace
 
 D, BUDGET = 16, 8
@@ -84,19 +85,6 @@ def workload(name: str) -> Workload:
         _WORKLOADS[name] = Workload(name, [r.prompt for r in reqs],
                                     [np.ascontiguousarray(r.output[:OUTPUT_CAP]) for r in reqs])
     return _WORKLOADS[name]
-
-
-def accepted_len(tokens: list, parents: list, truth: list) -> int:
-    """Greedy verification: length of the longest draft root path equal to a prefix of ``truth``."""
-    cur, n = -1, 0
-    for t in truth:
-        for j in range(len(tokens)):
-            if parents[j] == cur and tokens[j] == t:
-                cur, n = j, n + 1
-                break
-        else:
-            break
-    return n
 
 
 class Clock:
@@ -191,7 +179,7 @@ def replay(w: Workload, batch: int, drafter) -> Run:
         for rid, (tokens, parents) in zip(rids, drafts):
             p = pos[rid]
             out = w.output_lists[rid]
-            n = accepted_len(tokens, parents, out[p:p + BUDGET + 1])
+            n = len(accepted_path(tokens, parents, out[p:p + BUDGET + 1]))
             commits.append(w.outputs[rid][p:min(p + n + 1, len(out))])
             run.drafted += len(tokens)
         t0 = clock.now()

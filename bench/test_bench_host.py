@@ -22,10 +22,10 @@ Time is the calling thread's CPU time (the cost on one core, robust to other job
 cheap clock, where process CPU time costs several µs a read here), with the cost of reading the clocks
 subtracted; wall time is reported beside it. NgramCorpus inserts on a background thread: its CPU time is not in
 the CPU column (which therefore flatters it), its wall time is (`synchronize` waits for it). ``extra_info`` holds
-the medians (`*_us_per_request_step`) and the ratios to NgramCorpus measured in the same run. Trace: ``HOST_BENCH_TRACE``
-(default chat_gpt4), the first max(16, 2 x batch) requests, outputs cut to 128 tokens; the first 10 steps of
-each replay are untimed. Skips without ../shared/traces; SGLang and Arctic rows skip when their packages are
-missing.
+the medians (`*_us_per_request_step`) and the ratios to NgramCorpus measured in the same run. Trace:
+``HOST_BENCH_TRACE`` (default chat_gpt4), the first max(16, 2 x batch) requests, outputs cut to 128 tokens; the
+first 10 steps of each replay are untimed. Skips without ../shared/traces; SGLang and Arctic rows skip when their
+packages are missing.
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ import pytest
 from ngramspec import NgramCache
 from ngramspec.cache import warm_up
 from ngramspec.controller import AdaptiveController
+from ngramspec.layout import accepted_path
 from ngramspec.profiles import get_profile
 from ngramspec.traces import dev_trace_paths, load_trace
 
@@ -69,18 +70,6 @@ def _clock_cost() -> tuple[float, float]:
         w += w1 - w0
         c += c1 - c0
     return w / n, c / n
-
-
-def _accepted(tokens, parents, truth) -> int:
-    cur, n = -1, 0
-    for t in truth:
-        for j in range(len(tokens)):
-            if parents[j] == cur and tokens[j] == t:
-                cur, n = j, n + 1
-                break
-        else:
-            break
-    return n
 
 
 class Replay:
@@ -118,7 +107,7 @@ class Replay:
             done = []
             for rid, (toks, pars) in zip(active, drafts):
                 out, p = outputs[rid], pos[rid]
-                n = min(_accepted(toks, pars, out[p:p + len(toks) + 1]) + 1, len(out) - p)
+                n = min(len(accepted_path(toks, pars, out[p:p + len(toks) + 1])) + 1, len(out) - p)
                 committed[rid] = out[p:p + n]
                 pos[rid] = p + n
                 tokens += n
@@ -226,8 +215,9 @@ class SglangCorpus:
     name = "SGLang NgramCorpus"
 
     def __init__(self):
-        from ngramspec.methods.sglang_ngram import split_sglang_drafts
         from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+
+        from ngramspec.methods.sglang_ngram import split_sglang_drafts
 
         self.split = split_sglang_drafts
         self.corpus = NgramCorpus(max_trie_depth=SGLANG_DEPTH, min_bfs_breadth=1, max_bfs_breadth=10,

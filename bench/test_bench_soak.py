@@ -28,11 +28,9 @@ import os
 import time
 
 import numpy as np
-import pytest
 from numba import njit
 
-from ngramspec import NgramCache
-from ngramspec import _trie
+from ngramspec import NgramCache, _trie
 
 TOKENS = int(os.environ.get("NGRAMSPEC_SOAK_TOKENS", 10_000_000))
 BATCH, BUDGET, D, VOCAB = 64, 8, 16, 32_000
@@ -198,7 +196,8 @@ def soak(total_tokens: int, seed: int = 0) -> dict:
         "tokens": fed, "requests": started, "steps": steps, "batch": BATCH, "budget": BUDGET, **POOLS,
         "rss_mb": [round(r, 1) for _, r in rss], "rss_tokens": [t for t, _ in rss],
         "rss_growth_mb": round(rss[-1][1] - at_tenth, 1),
-        "insert_us_per_token_early": rate(w_ins[:tenth], 1e6), "insert_us_per_token_late": rate(w_ins[-tenth - 1:-1], 1e6),
+        "insert_us_per_token_early": rate(w_ins[:tenth], 1e6),
+        "insert_us_per_token_late": rate(w_ins[-tenth - 1:-1], 1e6),
         "propose_us_per_request_early": rate(w_prop[:tenth], 1e6),
         "propose_us_per_request_late": rate(w_prop[-tenth - 1:-1], 1e6),
         "insert_us_per_token": rate(w_ins, 1e6), "propose_us_per_request": rate(w_prop, 1e6),

@@ -5,8 +5,15 @@ import numpy as np
 from numba import njit
 
 from ngramspec._trie import (
-    CHILD, CNT, DEP, NEXT, TAIL, TOK,
-    _arena_token, insert_token, longest_match,
+    CHILD,
+    CNT,
+    DEP,
+    NEXT,
+    TAIL,
+    TOK,
+    _arena_token,
+    insert_token,
+    longest_match,
 )
 
 SRC_LOCAL, SRC_SHARED = 0, 1
@@ -120,9 +127,9 @@ def _heap_pop(h_prob, h_seq, h_idx, size):
     h_prob[0], h_seq[0], h_idx[0] = h_prob[size], h_seq[size], h_idx[size]
     i = 0
     while True:
-        l, r, b = 2 * i + 1, 2 * i + 2, i
-        if l < size and (h_prob[l] > h_prob[b] or (h_prob[l] == h_prob[b] and h_seq[l] < h_seq[b])):
-            b = l
+        lc, r, b = 2 * i + 1, 2 * i + 2, i
+        if lc < size and (h_prob[lc] > h_prob[b] or (h_prob[lc] == h_prob[b] and h_seq[lc] < h_seq[b])):
+            b = lc
         if r < size and (h_prob[r] > h_prob[b] or (h_prob[r] == h_prob[b] and h_seq[r] < h_seq[b])):
             b = r
         if b == i:

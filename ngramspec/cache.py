@@ -20,8 +20,8 @@ identical drafts: everything here is deterministic).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, typed
@@ -66,9 +66,6 @@ class DraftBatch:
     def draft(self, i: int) -> Draft:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Draft(self.tokens[a:b], self.parents[a:b], self.probs[a:b], self.sources[a:b])
-
-    def __iter__(self):
-        return (self.draft(i) for i in range(len(self)))
 
 
 def _is_int(t) -> bool:
@@ -419,5 +416,4 @@ def warm_up() -> None:
     c.finish_request(1, share=True)
     from ngramspec import layout
 
-    if hasattr(layout, "warm_up"):
-        layout.warm_up()
+    layout.warm_up()

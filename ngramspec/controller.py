@@ -53,8 +53,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -874,7 +874,8 @@ class AdaptiveController:
                 batch.match_lens, self._success, self.request_alpha, self.succ, self.trials, self.mid_succ,
                 self.mid_trials, self.top_succ, self.top_trials, self.prior_mean, self.prior_strength,
                 self._widths, costs, measured, stale, implied, waiting == 0 and B > 1, self.min_gain, may_explore,
-                may_remeasure, self.explore_optimism, self._cells, self._P, self._G, self._values, self._expected, lengths,
+                may_remeasure, self.explore_optimism, self._cells, self._P, self._G, self._values, self._expected,
+                lengths,
                 self._ptok, self._ppar, self._pcell, self._pstart, self._plen, self._pcur, self._nd, self._nn)
             if wi >= 0:
                 break
@@ -973,86 +974,5 @@ class AdaptiveController:
         return batch, self._plan(slots, batch, waiting, toks, offs)
 
 
-# ------------------------------------------------------------------------------------- simulator method
-def _register() -> None:
-    from ngramspec.cache import NgramCache
-    from ngramspec.methods import Method, register_method
-
-    class AdaptiveMethod(Method):
-        """`ngramspec-adaptive`: NgramCache tree drafts, controller-chosen width. Sees only reported durations."""
-
-        profile_dependent = True  # its decisions depend on the durations it observes
-
-        def __init__(self, max_width: int = 16, prior: str = "default", tree: int = 1, depth: int = 16,
-                     explore_frac: float = 0.002, widths: str | None = None, clip: float = 2.0,
-                     stale: int = 500):
-            if widths is not None:  # e.g. widths=1-2-4-8-17
-                try:
-                    widths = [int(w) for w in str(widths).split("-")]
-                except ValueError:
-                    raise ValueError(f"widths must look like 1-2-4-8-16, got {widths!r}") from None
-            else:
-                widths = [w for w in DEFAULT_WIDTHS if w <= max_width]
-            if prior == "default":
-                prior_fn = None
-            elif prior in ("seed-pcie8", "h200-llama8b") or prior.endswith(".json"):
-                from ngramspec.profiles import get_profile
-                prior_fn = get_profile(prior).cost_ms  # a deliberately *assumed* cost, e.g. a wrong one
-            else:
-                raise ValueError(f"prior must be 'default', a profile name or a .json file, got {prior!r}")
-            self.ctl = AdaptiveController(widths, prior=prior_fn, explore_frac=explore_frac,
-                                          cost_clip=float(clip) if float(clip) > 0 else None,
-                                          stale_after=int(stale) if int(stale) > 0 else None)
-            self.cache = NgramCache(max_depth=depth)
-            self.tree = bool(tree)
-            self._width = 1
-            self._committed: dict = {}  # tokens committed this step, handed over in the next step's one call
-
-        def warmup(self) -> None:
-            from ngramspec.cache import warm_up
-
-            warm_up()
-
-        def bind_profile(self, profile) -> None:
-            pass  # deliberately ignored: the controller learns costs only from observe_step
-
-        def start(self, rid, prompt):
-            self.cache.start_request(rid, prompt)
-            self.ctl.start(rid)
-
-        def propose(self, rids):
-            empty = _EMPTY
-            committed = [self._committed.pop(r, empty) for r in rids]
-            batch, plan = self.ctl.step(self.cache, rids, committed, waiting=self.waiting, tree=self.tree)
-            self._width = plan.width
-            out = []
-            tokens, parents, offsets = batch.tokens, batch.parents, batch.offsets
-            for i in range(len(rids)):
-                a, k = int(offsets[i]), int(plan.lengths[i])
-                out.append((tokens[a:a + k].copy(), parents[a:a + k].copy()))
-            return out
-
-        def verify_width(self, rids, drafts):
-            return self._width
-
-        def update(self, rid, committed, n_accepted):
-            self._committed[rid] = committed
-
-        def observe_step(self, batch_size, width, duration_ms):
-            self.ctl.observe_step(batch_size, width, duration_ms)
-
-        def finish(self, rid):
-            committed = self._committed.pop(rid, None)
-            if committed is not None:
-                self.cache.add_tokens(rid, committed)
-                self.ctl.observe_tokens(rid, committed)
-            self.cache.finish_request(rid, share=True)
-            self.ctl.finish(rid)
-
-    register_method("ngramspec-adaptive", AdaptiveMethod)
-
-
-_EMPTY = np.zeros(0, np.int32)
 _NO_TOKENS = np.zeros(0, np.int32)
 _NO_OFFSETS = np.zeros(1, np.int64)
-_register()

@@ -126,6 +126,24 @@ def warm_up() -> None:
                     np.array([1], np.int64), 3)
 
 
+@njit(cache=True)
+def accepted_length(tokens, parents, output, pos):
+    """Draft nodes greedy verification accepts against `output[pos:]`: from the root, step to the first child
+    (in node order) whose token is the next true token, as a tree verify kernel walks it."""
+    remaining = output.shape[0] - pos
+    current = -1
+    depth = 0
+    for j in range(tokens.shape[0]):
+        parent = parents[j]
+        if parent >= j or parent < -1:
+            raise ValueError("draft parents must satisfy -1 <= parents[j] < j")
+        # the children of `current` all come after it, so one forward pass finds the path
+        if parent == current and depth < remaining and tokens[j] == output[pos + depth]:
+            current = j
+            depth += 1
+    return depth
+
+
 def accepted_path(tokens, parents, truth) -> list[int]:
     """Draft nodes accepted by greedy verification when the model's true continuation is ``truth``: the longest
     root path whose tokens equal a prefix of ``truth`` (first matching child in node order at each depth)."""

@@ -225,5 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"ngramspec profiles: error: {exc}", file=sys.stderr)
         return 2
-    print("\nYour own: `ngramspec calibrate -o my.json` on your device, then `ngramspec simulate ... --profile my.json`.")
+    print("\nYour own: `ngramspec calibrate -o my.json` on your device, "
+          "then `ngramspec simulate ... --profile my.json`.")
     return 0

@@ -5,8 +5,8 @@ finishes) and every step all of them advance together. Each step the method prop
 greedy verification against the recorded output accepts the longest root path of the draft that matches
 it, and the step commits the accepted tokens plus one bonus token (a request's final step commits only
 what is left). Before each step a method is told how many requests are still queued (`method.waiting`, as a
-server's scheduler knows its queue). Methods only ever see tokens that were committed (their own request's and, through their
-shared caches, other requests'), never a request's future, except the declared upper bounds.
+server's scheduler knows its queue). Methods only ever see tokens that were committed (their own request's and,
+through their shared caches, other requests'), never a request's future, except the declared upper bounds.
 
 A replay records how many batched steps ran at each (batch size, verify width); a cost profile turns that
 into time, so one replay is costed under every profile unless the method's drafts depend on the profile
@@ -28,31 +28,13 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from numba import njit
 
+from ngramspec.layout import accepted_length
 from ngramspec.methods import Method, make_method
 from ngramspec.profiles import CostProfile, get_profile
 from ngramspec.traces import Trace, load_trace
 
 BASELINE = "none"
-
-
-@njit(cache=True)
-def accepted_length(tokens, parents, output, pos):
-    """Draft nodes greedy verification accepts against `output[pos:]`: from the root, step to the first child
-    (in node order) whose token is the next true token, as a tree verify kernel walks it."""
-    remaining = output.shape[0] - pos
-    current = -1
-    depth = 0
-    for j in range(tokens.shape[0]):
-        parent = parents[j]
-        if parent >= j or parent < -1:
-            raise ValueError("draft parents must satisfy -1 <= parents[j] < j")
-        # the children of `current` all come after it, so one forward pass finds the path
-        if parent == current and depth < remaining and tokens[j] == output[pos + depth]:
-            current = j
-            depth += 1
-    return depth
 
 
 @dataclass

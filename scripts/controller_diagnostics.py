@@ -14,9 +14,10 @@ from collections import defaultdict
 
 import numpy as np
 
+from ngramspec.layout import accepted_length
 from ngramspec.methods import make_method
 from ngramspec.profiles import get_profile
-from ngramspec.simulate import accepted_length, replay, summarize
+from ngramspec.simulate import replay, summarize
 from ngramspec.traces import load_trace
 
 

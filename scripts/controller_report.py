@@ -7,7 +7,8 @@ rows = [r for path in sys.argv[1:] for r in json.load(open(path))]
 groups = defaultdict(dict)
 for r in rows:
     groups[(r["trace"], r["profile"], r["batch"])][r["method"]] = r
-print("| trace | profile | batch | adaptive | best static (hindsight) | oracle-ctl | captured share | adaptive accept_len | never slower | >= best static |")
+print("| trace | profile | batch | adaptive | best static (hindsight) | oracle-ctl | captured share "
+      "| adaptive accept_len | never slower | >= best static |")
 print("|---|---|---:|---:|---|---:|---:|---:|:-:|:-:|")
 for (trace, profile, batch), m in sorted(groups.items()):
     ad = m.get("ngramspec-adaptive")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The controller issue's table: adaptive vs every static chain/tree k in {2,4,8,16} vs the oracle controller,
+# The controller comparison table: adaptive vs every static chain/tree k in {2,4,8,16} vs the oracle controller,
 # on every dev trace, both profiles, batch 1 and 32. Chat and reasoning can be cut to their first N requests
 # (MAXREQ, default 0 = whole traces; about 17 minutes on the 2-core dev machine).
 set -euo pipefail

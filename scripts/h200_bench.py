@@ -6,8 +6,9 @@
 For every workload x batch x mode it runs each policy on the same prompts (a fresh NgramCache per run, kept
 across the run's requests) and records tokens/s of the decode phase, accept length, verify widths and whether
 the outputs equal plain greedy's. Batch 1 decodes the prompts one after another; batch B decodes them B at a
-time. Results, per-step records included, go to OUT/bench.json (and the plain batch-1 outputs to OUT/trace_<workload>.jsonl.gz, for the
-simulator check). Each configuration is guarded: a failure is recorded and the rest still runs.
+time. Results, per-step records included, go to OUT/bench.json (and the plain batch-1 outputs to
+OUT/trace_<workload>.jsonl.gz, for the simulator check). Each configuration is guarded: a failure is recorded and
+the rest still runs.
 """
 from __future__ import annotations
 
@@ -80,16 +81,12 @@ def main(argv=None) -> int:
     import torch
 
     from ngramspec.engine.model import load_model
-    from ngramspec.engine.policy import controller_available
     from ngramspec.engine.prompts import chat_tokens, copy_heavy_prompts, free_text_prompts
     from ngramspec.engine.trace import write_trace
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [p for p in args.policies.split(",") if p]
-    if "adaptive" in policies and not controller_available():
-        print("ngramspec.controller missing: skipping policy 'adaptive'", flush=True)
-        policies.remove("adaptive")
     if policies[0] != "plain":
         raise SystemExit("the first policy must be 'plain' (the reference for identity and speedup)")
     t0 = time.perf_counter()
@@ -136,7 +133,8 @@ def main(argv=None) -> int:
                                for a, b in zip(r["outputs"], plain["outputs"]) if a != b] if plain else []}
                     results.append(row)
                     print(f"{tag:26s} tok/s {row['tok_s']:8.1f}  x{row['speedup']:.2f}  accept "
-                          f"{row['accept_length']:.2f}  width {row['mean_width']:.2f}  step {row['mean_step_ms']:.2f} ms"
+                          f"{row['accept_length']:.2f}  width {row['mean_width']:.2f}  "
+                          f"step {row['mean_step_ms']:.2f} ms"
                           f"  same {row['identical']}/{n}", flush=True)
                     (out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))

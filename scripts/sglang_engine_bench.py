@@ -115,7 +115,8 @@ def profile_delta(before: dict, after: dict) -> dict | None:
     if not n:
         return None
     return {"steps": int(n), "mean_width": tot["width"] / n, "mean_batch": tot["requests"] / n,
-            "host_ms_per_step": 1e3 * (tot["plan_s"] + tot["launch_s"]) / n, "wait_ms_per_step": 1e3 * tot["wait_s"] / n,
+            "host_ms_per_step": 1e3 * (tot["plan_s"] + tot["launch_s"]) / n,
+            "wait_ms_per_step": 1e3 * tot["wait_s"] / n,
             "plan_ms_per_step": 1e3 * tot["plan_s"] / n, "forward_call_ms_per_step": 1e3 * tot["forward_s"] / n,
             "graph_share": tot["graph_steps"] / n, "steps_by_kind": kinds}
 

@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 from ngramspec.layout import accepted_path
-
 from ngramspec_sglang.config import AdaptiveConfig
 from ngramspec_sglang.drafting import DraftPlanner, RequestView
 

@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "== step 1: core environment"
 bash scripts/setup_env.sh core
+echo "== step 1: lint (ruff, configured in pyproject.toml)"
+.venv/bin/ruff check .
 echo "== step 1: core, simulator, controller and engine tests"
 .venv/bin/python -m pytest tests -q -ra
 echo "== step 2: build the wheel, install it into a fresh venv (numpy and numba only), run it there"

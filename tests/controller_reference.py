@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit
 
 from ngramspec.cache import DraftBatch
-from ngramspec.controller import default_prior, prior_from_calibration, batch_bucket  # noqa: F401
+from ngramspec.controller import batch_bucket, default_prior, prior_from_calibration  # noqa: F401
 
 DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 

@@ -30,7 +30,8 @@ def assert_valid_batch(batch: DraftBatch, budgets, tree: bool = True) -> None:
     assert (batch.tokens.dtype, batch.parents.dtype, batch.probs.dtype, batch.sources.dtype) == (
         np.int32, np.int32, np.float32, np.int8)
     assert len(batch) == len(budgets)
-    for i, d in enumerate(batch):
+    for i in range(len(batch)):
+        d = batch.draft(i)
         assert len(d) <= budgets[i]
         if not tree:
             assert d.parents.tolist() == list(range(-1, len(d) - 1))

@@ -6,8 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ngramspec import NgramCache
-from ngramspec import _trie
+from ngramspec import NgramCache, _trie
 from ngramspec.layout import check_tree
 
 D = 6

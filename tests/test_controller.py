@@ -254,6 +254,7 @@ def _lockstep(records, batch, profile, steps, waiting_of=lambda n_left: n_left, 
     """Replay ``records`` with the pure-Python reference controller and the numba one side by side (each with its
     own cache, fed the same tokens); return both decision logs."""
     import controller_reference as ref
+
     from ngramspec.controller import CostModel
 
     widths = DEFAULT_WIDTHS_
@@ -454,7 +455,7 @@ def _copy_run(steps, report, widths=(1, 2, 6), true=lambda w: {1: 10.0, 2: 12.0,
     cache, ctl = NgramCache(max_depth=16), AdaptiveController(widths)
     cache.start_request(0, text[:100])
     ctl.start(0)
-    pos, log = 100, []
+    pos, log, committed = 100, [], None
     for step in range(steps):
         batch, plan = ctl.step(cache, [0], None if step == 0 else [committed])
         d = batch.draft(0).prefix(int(plan.lengths[0]))
@@ -540,9 +541,8 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 def test_simulator_charges_measured_host_time():
     """--host-cost measured: each step also costs the host time the method took; both speedups reported."""
-    import json
-
     import gzip
+    import json
 
     from ngramspec.simulate import main
 

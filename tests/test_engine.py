@@ -12,13 +12,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
+from engine_oracle import OracleCache  # noqa: E402
+
 from ngramspec import NgramCache  # noqa: E402
 from ngramspec.engine.decode import FixedPolicy, SpecDecoder  # noqa: E402
 from ngramspec.engine.model import KVModel, load_model, locate_gguf  # noqa: E402
-from ngramspec.engine.policy import controller_available, make_policy  # noqa: E402
+from ngramspec.engine.policy import make_policy  # noqa: E402
 from ngramspec.engine.prompts import chat_tokens, demo_prompts  # noqa: E402
-
-from engine_oracle import OracleCache  # noqa: E402
 
 NEW_TOKENS = 64
 
@@ -67,8 +67,6 @@ POLICIES = ["chain:k=8", "tree:k=8", "tree:k=3", "adaptive"]
 
 @pytest.mark.parametrize("spec", POLICIES)
 def test_speculation_is_token_identical_to_plain_greedy(decoder, prompts, plain_outputs, spec):
-    if spec == "adaptive" and not controller_available():
-        pytest.skip("ngramspec.controller not available yet")
     policy = make_policy(spec)
     cache = NgramCache()
     drafted = accepted = steps = 0

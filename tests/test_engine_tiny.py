@@ -10,12 +10,12 @@ pytestmark = pytest.mark.model
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from engine_oracle import OracleCache  # noqa: E402
+
 from ngramspec import NgramCache  # noqa: E402
 from ngramspec.engine.decode import FixedPolicy, SpecDecoder, greedy_walk, tree_rows  # noqa: E402
 from ngramspec.engine.model import KVModel  # noqa: E402
-from ngramspec.engine.policy import controller_available, make_policy  # noqa: E402
-
-from engine_oracle import OracleCache  # noqa: E402
+from ngramspec.engine.policy import make_policy  # noqa: E402
 
 VOCAB = 256
 
@@ -67,8 +67,6 @@ def test_greedy_walk_follows_predicted_children_only():
 @pytest.mark.parametrize("spec", ["chain:k=8", "tree:k=8", "adaptive"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_ngram_speculation_equals_plain_greedy(tiny_model, prompts, spec, batch):
-    if spec == "adaptive" and not controller_available():
-        pytest.skip("ngramspec.controller not available")
     new_tokens = 64
     reference = plain(tiny_model, prompts, new_tokens)
     policy = make_policy(spec)
@@ -138,7 +136,6 @@ def test_bad_input_raises(tiny_model, prompts):
         KVModel(torch.nn.Linear(2, 2), batch=1, max_len=16)
 
 
-@pytest.mark.skipif(not controller_available(), reason="needs ngramspec.controller")
 def test_adaptive_policy_takes_a_calibration_prior():
     from pathlib import Path
 
@@ -147,7 +144,8 @@ def test_adaptive_policy_takes_a_calibration_prior():
     path = Path(__file__).resolve().parents[1] / "docs" / "engine" / "h200_smollm2_sdpa.json"
     policy = make_policy(f"adaptive:max_width=8,prior={path}")
     assert policy.max_width == 8
-    assert policy.controller.costs.estimate(4, 6) == pytest.approx(TableProfile.from_json(str(path), "graph_ms").cost_ms(4, 6))
+    expected = TableProfile.from_json(str(path), "graph_ms").cost_ms(4, 6)
+    assert policy.controller.costs.estimate(4, 6) == pytest.approx(expected)
     for bad in ("adaptive:explore_every=5", "adaptive:max_width=x"):
         with pytest.raises(ValueError):
             make_policy(bad)

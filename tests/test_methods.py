@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngramspec.methods import make_method, register_method, METHODS, Method, EMPTY_DRAFT
+from ngramspec.methods import EMPTY_DRAFT, METHODS, Method, make_method, register_method
 from ngramspec.methods.sglang_ngram import split_sglang_drafts
 from ngramspec.simulate import replay
 from ngramspec.traces import make_trace

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from ngramspec import simulate
+from ngramspec.layout import accepted_length
 from ngramspec.methods import EMPTY_DRAFT, Method, chain, make_method
 from ngramspec.profiles import SEED_PCIE8, LinearProfile, TableProfile, get_profile
-from ngramspec.simulate import accepted_length, replay, run_all, summarize
+from ngramspec.simulate import replay, run_all, summarize
 from ngramspec.traces import data_dir, load_trace, make_trace
 
 A = list(range(100, 120))  # 20 distinct tokens
@@ -242,10 +243,7 @@ def test_replay_is_deterministic():
 
 def test_profile_dependent_method_is_replayed_per_profile():
     trace = repetitive_trace()
-    try:
-        rows = run_all_trace(trace, ["oracle-ctl:k=8"], 1, profiles=(SEED_PCIE8, LinearProfile("flat", 1, 1, 0)))
-    except ImportError:
-        pytest.skip("ngramspec.cache not available")
+    rows = run_all_trace(trace, ["oracle-ctl:k=8"], 1, profiles=(SEED_PCIE8, LinearProfile("flat", 1, 1, 0)))
     seed_row, flat_row = rows
     # when verify costs no more than decode, the oracle controller never has a reason to hold back
     assert flat_row["accept_len"] >= seed_row["accept_len"]

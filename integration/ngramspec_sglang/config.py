@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 ALGORITHM_NAME = "NGRAM_ADAPTIVE"
-DEFAULT_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 DEFAULT_MAX_WIDTH = 16
 DEFAULT_MAX_RUNNING_REQUESTS = 48  # SGLang's NGRAM default, kept for a like-for-like comparison
 DEFAULT_TP_SYNC_INTERVAL = 8
@@ -90,8 +89,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def widths_up_to(max_width: int, base: tuple[int, ...] = DEFAULT_WIDTHS) -> tuple[int, ...]:
-    """The default candidate widths below `max_width`, plus `max_width` itself."""
+def widths_up_to(max_width: int, base: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The default candidate widths (`ngramspec.controller.DEFAULT_WIDTHS`) below `max_width`, plus `max_width`
+    itself."""
+    if base is None:  # imported here: this module stays importable without numba (the plugin's entry point)
+        from ngramspec.controller import DEFAULT_WIDTHS as base
     if not _is_int(max_width) or max_width < 1:
         raise ValueError(f"--speculative-num-draft-tokens must be an int >= 1, got {max_width!r}")
     return tuple(w for w in base if w < max_width) + (max_width,)

@@ -23,8 +23,6 @@ allow-list in `kv_cache_hook.py` rejects NGRAM_ADAPTIVE on that path.
 """
 from __future__ import annotations
 
-from .config import ALGORITHM_NAME
-
 DECODE_REPORT = (
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 )

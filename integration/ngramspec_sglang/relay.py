@@ -8,7 +8,6 @@ every step's accepted tokens are padded to the largest width, whatever width it 
 from __future__ import annotations
 
 import torch
-
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from .drafting import RequestView

@@ -26,7 +26,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-
 from sglang.kernels.ops.speculative.cache_locs import (
     assign_extend_cache_locs_func,
     fill_front_out_cache_loc_func,
@@ -607,4 +606,5 @@ class _DraftLog:
     def write(self, plan) -> None:
         tokens = np.ascontiguousarray(plan.tokens, dtype=np.int64)
         mask = np.ascontiguousarray(plan.mask, dtype=np.bool_)
-        self.file.write(f"{plan.width} {tokens.shape[0]} {zlib.crc32(mask.tobytes(), zlib.crc32(tokens.tobytes())):08x}\n")
+        crc = zlib.crc32(mask.tobytes(), zlib.crc32(tokens.tobytes()))
+        self.file.write(f"{plan.width} {tokens.shape[0]} {crc:08x}\n")

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ngramspec.controller import DEFAULT_WIDTHS as _WIDTHS
+
 DEFAULT_BATCHES = "1,4,8,16"
-DEFAULT_WIDTHS = "1,2,3,4,6,8,12,16"
+DEFAULT_WIDTHS = ",".join(str(w) for w in _WIDTHS)  # the controller's candidate widths
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 "head_dim": shape.head_dim, "inter": shape.inter, "vocab": shape.vocab},
         "model": "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
         "dtype": args.dtype,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else f"cpu ({torch.get_num_threads()} threads)"),
         "torch": torch.__version__,
         "rows": rows,
     }

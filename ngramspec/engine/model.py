@@ -95,7 +95,8 @@ class KVModel:
             raise ValueError(f"need batch >= 1 and max_len >= 2, got batch={batch}, max_len={max_len}")
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-            raise TypeError(f"{type(model).__name__} is not a Llama-family transformers model (model.model.layers, rotary_emb)")
+            raise TypeError(f"{type(model).__name__} is not a Llama-family transformers model "
+                            "(model.model.layers, rotary_emb)")
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         self._rope = apply_rotary_pos_emb

@@ -2,16 +2,9 @@
 (the controller: NGRAM_ADAPTIVE)."""
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 
 from .decode import FixedPolicy
-
-
-def controller_available() -> bool:
-    """Whether `ngramspec.controller` (the adaptive controller) is installed."""
-    return importlib.util.find_spec("ngramspec.controller") is not None
 
 
 class AdaptivePolicy:
@@ -65,8 +58,6 @@ def make_policy(spec: str):
             raise ValueError(f"policy {spec!r}: k must be an integer") from None
         return FixedPolicy(k, tree=(name == "tree"))
     if name == "adaptive":
-        if not controller_available():
-            raise RuntimeError("policy 'adaptive' needs ngramspec.controller, which is not installed yet")
         if set(params) - {"max_width", "prior"}:
             raise ValueError(f"policy {spec!r}: adaptive takes max_width and prior (a calibration JSON file)")
         kwargs = {}

@@ -148,7 +148,8 @@ def demo_prompts() -> list[tuple[str, str]]:
     """(label, prompt) for `ngramspec demo`: a code edit, a summary of a given text, free chat."""
     return [
         ("code edit", f"{CODE_EDITS[1]}\n\n```\n{CODE_SNIPPETS[0]}```"),
-        ("code edit", f"Rename the method `total` to `count_all` and return the full class.\n\n```\n{CODE_SNIPPETS[1]}```"),
+        ("code edit",
+         f"Rename the method `total` to `count_all` and return the full class.\n\n```\n{CODE_SNIPPETS[1]}```"),
         ("summary", f"{TEXT_TASKS[0]}\n\n{TEXTS[0]}"),
         ("chat", CHAT[1]),
         ("chat", CHAT[3]),

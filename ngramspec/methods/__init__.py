@@ -1,8 +1,8 @@
 """Draft methods for the replay simulator, and the registry that names them.
 
 A method is built from a spec `name:key=value,...` (e.g. `ngramspec-tree:k=8`, `sglang-ngram:match=PROB`).
-Other modules add methods with `register_method(name, factory)`; `ngramspec.controller` registers
-`ngramspec-adaptive` that way when it exists.
+Other modules add methods with `register_method(name, factory)`; the built-in ones (`baselines`, ...,
+`adaptive`) register themselves that way when `_load_builtins` imports them.
 
 The protocol (per request `rid`; drafts are `(tokens int32, parents int32)`, parent -1 = child of the root,
 the root being the last committed token, and `parents[j] < j`):
@@ -71,7 +71,7 @@ class Method:
 
 METHODS: dict[str, Callable[..., Method]] = {}
 DESCRIPTIONS: dict[str, str] = {}
-_BUILTIN_MODULES = ("baselines", "sglang_ngram", "arctic_suffix", "ngramspec_static", "oracle_ctl")
+_BUILTIN_MODULES = ("baselines", "sglang_ngram", "arctic_suffix", "ngramspec_static", "oracle_ctl", "adaptive")
 _loaded = False
 
 
@@ -92,11 +92,6 @@ def _load_builtins() -> None:
     _loaded = True
     for module in _BUILTIN_MODULES:
         importlib.import_module(f"ngramspec.methods.{module}")
-    try:  # the adaptive controller registers itself, once it exists
-        importlib.import_module("ngramspec.controller")
-    except ModuleNotFoundError as exc:
-        if exc.name != "ngramspec.controller":
-            raise
 
 
 def available_methods() -> list[str]:

@@ -9,9 +9,7 @@ from ngramspec.controller import AdaptiveController, Plan
 from ngramspec_sglang.config import AdaptiveConfig, resolve_config, widths_up_to
 from ngramspec_sglang.drafting import (
     DraftPlanner,
-    DurationSample,
     FixedWidthController,
-    IntervalStats,
     RequestView,
     make_controller,
 )
@@ -133,8 +131,12 @@ def run_ranks(timings_of_rank, share_rank0, steps=60):
 
 def test_tensor_parallel_ranks_make_identical_decisions():
     """Rank-local timings disagree; only rank 0's reach the controllers, so every decision agrees."""
-    steep = lambda w: 0.01 * w * w  # rank 0: wide verifies are expensive
-    flat = lambda w: 0.01  # rank 1: its own clock says width is free
+    def steep(w):  # rank 0: wide verifies are expensive
+        return 0.01 * w * w
+
+    def flat(w):  # rank 1: its own clock says width is free
+        return 0.01
+
     shared = run_ranks([steep, flat], share_rank0=True)
     for a, b in zip(*shared):
         assert a.width == b.width and a.reason == b.reason

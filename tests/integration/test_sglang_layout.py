@@ -18,6 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 import sglang_reference as ref
+
 from ngramspec.layout import accepted_path, tree_layout
 
 pytestmark = pytest.mark.sglang

@@ -75,8 +75,9 @@ def test_sglang_plugins_allow_list_is_respected():
 @pytest.fixture(scope="module")
 def plugin():
     """Register in this process (what the entry point does) and apply the hooks."""
-    import ngramspec_sglang
     from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import ngramspec_sglang
 
     ngramspec_sglang.register()
     ngramspec_sglang.register()  # idempotent: SGLang calls it in every process, maybe twice
@@ -120,6 +121,7 @@ def test_command_line_resolves_our_defaults(plugin, model_dir):
 @pytest.mark.sglang_server
 def test_command_line_knobs_reach_our_config(plugin, model_dir, tmp_path):
     from sglang.srt.arg_groups.overrides import resolved_view
+
     from ngramspec_sglang.config import resolve_config
 
     cfg_file = tmp_path / "adaptive.json"
@@ -146,6 +148,7 @@ def published(plugin, model_dir):
 @pytest.mark.sglang_server
 def test_published_spec_bag_carries_the_largest_width(published):
     from sglang.srt.runtime_context import get_spec
+
     from ngramspec_sglang.config import resolve_config
 
     spec = get_spec()
@@ -200,6 +203,7 @@ def test_decode_report_runs_with_the_mean_width(published):
     from types import SimpleNamespace
 
     from sglang.srt.runtime_context import get_spec
+
     from ngramspec_sglang.drafting import IntervalStats
     from ngramspec_sglang.hooks import report_with_mean_width
 

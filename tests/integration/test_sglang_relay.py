@@ -12,10 +12,11 @@ MAX_WIDTH = 16
 
 @pytest.fixture(scope="module")
 def sglang_parts():
-    import ngramspec_sglang
     from sglang.srt.managers.overlap_utils import RelayPayload
     from sglang.srt.speculative.ngram_info import NgramVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    import ngramspec_sglang
 
     ngramspec_sglang.register()
     return SpeculativeAlgorithm.from_string("NGRAM_ADAPTIVE"), RelayPayload, NgramVerifyInput
@@ -94,8 +95,9 @@ def test_full_verify_mask_equals_ngram_workers_construction():
         tree = torch.rand((bs, width, width), generator=gen) < 0.5
         seq_lens = torch.randint(0, 40, (bs,), generator=gen)
         # NGRAMWorker._prepare_for_speculative_decoding (USE_FULL_MASK), per request
-        expected = torch.cat([torch.cat((torch.ones((width, int(seq_lens[i]))), tree[i]), dim=1).to(torch.bool).flatten()
-                              for i in range(bs)])
+        expected = torch.cat([
+            torch.cat((torch.ones((width, int(seq_lens[i]))), tree[i]), dim=1).to(torch.bool).flatten()
+            for i in range(bs)])
         got = full_verify_mask(tree, seq_lens)
         assert torch.equal(got, expected)
         # the size NgramVerifyInput.generate_attn_arg_prefill expects
