@@ -98,13 +98,7 @@ class TableProfile(CostProfile):
     @classmethod
     def from_json(cls, path: str | Path, column: str | None = None, name: str | None = None) -> "TableProfile":
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"profile file not found: {path}")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
-        return cls.from_data(data, column, name=name or path.stem, source=str(path))
+        return cls.from_data(_read_json(path), column, name=name or path.stem, source=str(path))
 
     @classmethod
     def from_data(cls, data, column: str | None, name: str, source: str) -> "TableProfile":
@@ -166,13 +160,17 @@ def _builtin(name: str) -> CostProfile:
 def load_profile_file(path: str | Path, column: str | None = None) -> CostProfile:
     """A profile from a JSON file: a calibration table (`rows`) or a linear model (`linear`)."""
     path = Path(path)
+    return _profile_from_data(_read_json(path), path.stem, str(path), column)
+
+
+def _read_json(path: Path) -> dict:
+    """A profile file's JSON, with a clear error for a missing file or bad JSON."""
     if not path.is_file():
         raise FileNotFoundError(f"profile file not found: {path}")
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
-    return _profile_from_data(data, path.stem, str(path), column)
 
 
 def get_profile(spec: str) -> CostProfile:
