@@ -106,6 +106,8 @@ def profile_delta(before: dict, after: dict) -> dict | None:
     tot = {k: 0.0 for k in ("steps", "requests", "width", "wait_s", "plan_s", "launch_s", "forward_s", "graph_steps")}
     kinds = {}
     for kind, row in after.items():
+        if kind.startswith("_"):
+            continue
         old = before.get(kind, {})
         d = {k: row.get(k, 0) - old.get(k, 0) for k in tot}
         kinds[kind] = int(d["steps"])
@@ -118,7 +120,43 @@ def profile_delta(before: dict, after: dict) -> dict | None:
             "host_ms_per_step": 1e3 * (tot["plan_s"] + tot["launch_s"]) / n,
             "wait_ms_per_step": 1e3 * tot["wait_s"] / n,
             "plan_ms_per_step": 1e3 * tot["plan_s"] / n, "forward_call_ms_per_step": 1e3 * tot["forward_s"] / n,
-            "graph_share": tot["graph_steps"] / n, "steps_by_kind": kinds}
+            "graph_share": tot["graph_steps"] / n, "steps_by_kind": kinds, "controller": diag_delta(before, after)}
+
+
+def diag_delta(before: dict, after: dict) -> dict:
+    """The controller's side of the run: reasons, expected tokens per planned request, mean measured step ms per
+    width/batch, and its cost estimates at the end."""
+    a, b = after.get("_diag", {}), before.get("_diag", {})
+    if not a:
+        return {}
+    reasons = {k: v - b.get("reasons", {}).get(k, 0) for k, v in a.get("reasons", {}).items()}
+    planned = a.get("planned_requests", 0) - b.get("planned_requests", 0)
+    durations = {}
+    for key, row in a.get("durations", {}).items():
+        old = b.get("durations", {}).get(key, [0, 0.0, 0, 0])
+        n = row[0] - old[0]
+        if n > 0:
+            durations[key] = {"n": n, "mean_ms": round(1e3 * (row[1] - old[1]) / n, 3),
+                              "min_ms": round(1e3 * row[2], 3), "max_ms": round(1e3 * row[3], 3)}
+    return {"reasons": {k: v for k, v in reasons.items() if v},
+            "expected_tokens_per_request": (a.get("expected_tokens", 0) - b.get("expected_tokens", 0)) / planned
+            if planned else None,
+            "durations": durations, "cost_estimates_ms": a.get("cost_estimates_ms", {})}
+
+
+def sched_delta(before: dict, after: dict) -> dict | None:
+    """Scheduler phases (NGRAMSPEC_SCHED_PROFILE): host ms per decode step of each phase, and the step period."""
+    steps = after.get("decode_steps", 0) - before.get("decode_steps", 0)
+    periods = after.get("decode_periods", 0) - before.get("decode_periods", 0)
+    if steps <= 0:
+        return None
+    out = {"decode_steps": steps,
+           "period_ms": round(1e3 * (after["decode_period_s"] - before.get("decode_period_s", 0.0)) / periods, 4)
+           if periods else None}
+    for name, row in after.get("phases", {}).items():
+        old = before.get("phases", {}).get(name, {"calls": 0, "seconds": 0.0})
+        out[name + "_ms"] = round(1e3 * (row["seconds"] - old["seconds"]) / steps, 4)
+    return out
 
 
 def run_one(name: str, a) -> dict:
@@ -134,6 +172,9 @@ def run_one(name: str, a) -> dict:
     extra = json.loads(a.extra) if a.extra else {}
     prof = os.path.join(tempfile.mkdtemp(), "profile.json")
     os.environ["NGRAMSPEC_PROFILE"] = prof
+    sched = os.path.join(tempfile.mkdtemp(), "sched.json")
+    if a.sched_profile:
+        os.environ["NGRAMSPEC_SCHED_PROFILE"] = sched
     t0 = time.time()
     engine = sglang.Engine(model_path=a.model, dtype=a.dtype, tp_size=a.tp, max_running_requests=max(a.concurrency),
                            **{**COMMON, **extra, **cfg})
@@ -146,21 +187,22 @@ def run_one(name: str, a) -> dict:
         engine.generate(sets["copy"][:2] + sets["free"][:2], {"temperature": 0, "max_new_tokens": 32})  # warm-up
         for conc in a.concurrency:
             for set_name, prompts in sets.items():
-                before = profile_snapshot(prof)
+                before, sched_before = profile_snapshot(prof), profile_snapshot(sched)
                 t = time.perf_counter()
                 if conc == 1:
                     res = [engine.generate(p, sampling) for p in prompts]
                 else:
                     res = engine.generate(prompts, sampling)
                 secs = time.perf_counter() - t
-                time.sleep(0.3)
+                time.sleep(0.6)  # the profiles are rewritten four times a second
                 prof_d = profile_delta(before, profile_snapshot(prof))
+                sched_d = sched_delta(sched_before, profile_snapshot(sched))
                 tokens = sum(r["meta_info"]["completion_tokens"] for r in res)
                 steps = [r["meta_info"].get("spec_verify_ct") or 0 for r in res]
                 out["runs"][f"{set_name}/c{conc}"] = {
                     "seconds": round(secs, 3), "tokens": tokens, "tok_s": round(tokens / secs, 1),
                     "accept_len": round(tokens / sum(steps), 3) if sum(steps) else None,
-                    "profile": prof_d,
+                    "profile": prof_d, "scheduler": sched_d,
                     "output_ids": [r.get("output_ids") for r in res], "texts": [r["text"] for r in res],
                 }
     finally:
@@ -190,6 +232,8 @@ def main() -> int:
     p.add_argument("--extra", default="", help="JSON object of extra sglang.Engine arguments for every config")
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     p.add_argument("--logs", help="folder for each configuration's server log (stderr)")
+    p.add_argument("--sched-profile", action="store_true",
+                   help="time the scheduler's phases per decode step (NGRAMSPEC_SCHED_PROFILE), every config")
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
@@ -237,6 +281,22 @@ def main() -> int:
                   f"{pr.get('mean_width', float('nan')):6.2f} {pr.get('host_ms_per_step', float('nan')):8.3f} "
                   f"{pr.get('wait_ms_per_step', float('nan')):8.3f} {same:>10s}"
                   + (f"  first differences (prompt, token): {diffs[:4]}" if diffs else ""))
+    phases = ["period_ms", "run_batch_ms", "worker_forward_ms", "get_next_batch_to_run_ms", "prepare_for_decode_ms",
+              "process_batch_result_ms", "process_result_decode_ms", "batch_copy_ms", "launch_sample_ms",
+              "ingest_requests_ms"]
+    if any((r.get("scheduler") for res in results.values() for r in res.get("runs", {}).values())):
+        print("\nscheduler host ms per decode step (period: between decode launches; phases inclusive)")
+        print(f"{'config':14s} {'run':9s} " + " ".join(f"{p[:-3][:12]:>12s}" for p in phases))
+        for name, res in results.items():
+            for run, r in res.get("runs", {}).items():
+                sc = r.get("scheduler") or {}
+                print(f"{name:14s} {run:9s} " + " ".join(
+                    f"{sc[p]:12.4f}" if sc.get(p) is not None else f"{'-':>12s}" for p in phases))
+    for name, res in results.items():
+        for run, r in res.get("runs", {}).items():
+            ctl = (r.get("profile") or {}).get("controller")
+            if ctl:
+                print(f"controller {name} {run}: {json.dumps(ctl)}")
     with open(a.out, "w") as f:
         json.dump(results, f)
     return 0 if all("error" not in r for r in results.values()) else 1

@@ -3,6 +3,7 @@
 # machines: after `source .gpukit/device/env.sh`, see docs/sglang.md). Results land in $OUT (default ./out/sglang).
 #   bash scripts/sglang_gpu_runs.sh tiny            # random-weight Llama: fixed width 1 vs plain; TP=2 vs TP=1 (2 GPUs)
 #   bash scripts/sglang_gpu_runs.sh smollm2 MODEL   # SmolLM2-135M-Instruct float16: plain, NGRAM, NGRAM_ADAPTIVE
+#   bash scripts/sglang_gpu_runs.sh dummy8b         # Llama-8B-shaped random weights: host overhead at real step costs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/sglang}; mkdir -p "$OUT"
@@ -12,7 +13,8 @@ case "${1:-}" in
     M=${GPUKIT_RUN:-/tmp}/tiny-llama
     [ -f "$M/model.safetensors" ] || python3 .gpukit/device/make_tiny_llama.py "$M" > /dev/null
     $BENCH --model "$M" --dtype bfloat16 --out "$OUT/tiny_tp1.json" --logs "$OUT/logs_tp1" --prompts-per-set 4 \
-      --max-new-tokens 128 --concurrency 1 4 --configs plain,adaptive_w1,adaptive --timeout 300
+      --max-new-tokens 128 --concurrency 1 4 --configs "${2:-plain,adaptive_w1,adaptive,ngram}" --timeout 300 \
+      --sched-profile
     if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
       NGRAMSPEC_DRAFT_LOG="$OUT/drafts_tp2" $BENCH --model "$M" --dtype bfloat16 --tp 2 --out "$OUT/tiny_tp2.json" \
         --logs "$OUT/logs_tp2" --prompts-per-set 4 --max-new-tokens 128 --concurrency 1 4 --configs plain,adaptive \
@@ -31,9 +33,26 @@ print(f"draft hashes: rank0 {len(a)} steps, rank1 {len(b)} steps, identical: {a 
 PY
     fi
     ;;
+  dummy8b)
+    # Llama-3-8B-shaped, random weights drawn by SGLang at load (no checkpoint), the tiny model's byte tokenizer:
+    # step costs like a production model's at batch 1-16 (GPU-bound), outputs meaningless
+    T=${GPUKIT_RUN:-/tmp}/tiny-llama; M=${GPUKIT_RUN:-/tmp}/llama8b-dummy
+    [ -f "$T/model.safetensors" ] || python3 .gpukit/device/make_tiny_llama.py "$T" > /dev/null
+    mkdir -p "$M" && cp "$T"/tokenizer* "$T"/special_tokens_map.json "$M"/ 2>/dev/null
+    python3 - "$T" "$M" <<'PY'
+import json, sys
+cfg = json.load(open(f"{sys.argv[1]}/config.json"))
+cfg.update(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+           num_key_value_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
+json.dump(cfg, open(f"{sys.argv[2]}/config.json", "w"), indent=1)
+PY
+    $BENCH --model "$M" --dtype bfloat16 --extra '{"load_format": "dummy"}' --out "$OUT/dummy8b.json" \
+      --logs "$OUT/logs_dummy8b" --prompts-per-set "${PROMPTS:-8}" --max-new-tokens "${TOKENS:-128}" \
+      --concurrency 1 16 --configs "${2:-plain,adaptive_w1,adaptive,ngram}" --timeout 400 --sched-profile
+    ;;
   smollm2)
     $BENCH --model "$2" --dtype float16 --out "$OUT/smollm2.json" --logs "$OUT/logs_smollm2" --prompts-per-set 16 \
-      --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive}" --timeout 400
+      --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive}" --timeout 400 --sched-profile
     ;;
   *) echo "usage: $0 tiny | smollm2 MODEL_DIR [configs]" >&2; exit 2 ;;
 esac

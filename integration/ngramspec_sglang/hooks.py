@@ -65,4 +65,7 @@ def register_hooks() -> None:
 
     HookRegistry.register(DECODE_REPORT, report_with_mean_width, HookType.AROUND)
     HookRegistry.register(RUN_BATCH, record_waiting, HookType.AROUND)
+    from .sched_profile import register_profile_hooks
+
+    register_profile_hooks()  # diagnosis only: NGRAMSPEC_SCHED_PROFILE=FILE
     _registered = True

@@ -98,12 +98,11 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self.waiting_requests: int | None = None  # set by the Scheduler.run_batch hook (hooks.py)
         self._width_states: dict[int, tuple] = {}
         self._decode_state: tuple | None = None  # (attention backend, DECODE-mode graph runner) for width 1
+        self._profile = _HostProfile.from_env(self._tp_group.rank_in_group)
         self._timer = StepTimer.for_device(
-            lambda w, b, s: self.planner.record_duration(w, b, s),
-            None if _is_cpu else torch.get_device_module(self.device),
+            self._record_duration, None if _is_cpu else torch.get_device_module(self.device),
         )
         self._drafted_last = False  # the last decode step drafted: the next one waits for its tokens
-        self._profile = _HostProfile.from_env(self._tp_group.rank_in_group)
         self._forward_s = 0.0
         self._draft_log = _DraftLog.from_env(self._tp_group.rank_in_group)
         set_cpu_seq_lens_need(self._backends_need_cpu_seq_lens)
@@ -126,6 +125,11 @@ class NgramAdaptiveWorker(NGRAMWorker):
             broadcast=lambda obj: tp.broadcast_object(obj, src=0),
             max_requests=self._max_requests,
         )
+
+    def _record_duration(self, width: int, batch_size: int, seconds: float) -> None:
+        self.planner.record_duration(width, batch_size, seconds)
+        if self._profile is not None:
+            self._profile.add_duration(width, batch_size, seconds)
 
     @property
     def interval_stats(self):
@@ -358,7 +362,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._timer.step_launched(plan.width, bs)
         if self._profile is not None:
             self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,
-                              self._forward_s, result.can_run_cuda_graph)
+                              self._forward_s, result.can_run_cuda_graph, plan, self.planner.controller)
         if self._draft_log is not None:
             self._draft_log.write(plan)
         return result
@@ -554,22 +558,44 @@ class NgramAdaptiveWorker(NGRAMWorker):
 class _HostProfile:
     """Host seconds per decode step by phase (NGRAMSPEC_PROFILE=FILE): waiting for the previous step's tokens,
     drafting and width choice, then launching the forward (mask, indices, model, sampling), per kind of step
-    (plain without waiting, plain after waiting, verify). Rank 0 rewrites FILE with the running sums every 20
-    steps (readers difference two snapshots); for diagnosis, off by default."""
+    (plain without waiting, plain after waiting, verify), with the controller's reasons, expected tokens, measured
+    step durations and cost estimates. Rank 0 rewrites FILE with the running sums four times a second while steps
+    run (readers difference two snapshots); for diagnosis, off by default."""
 
     def __init__(self, path: str):
         self.path = path
         self.steps = 0
         self.rows: dict[str, list[float]] = {}
+        self.reasons: dict[str, int] = {}  # why each planned step got its width
+        self.expected = [0, 0.0, 0.0]  # planned requests, expected committed tokens (all, drafting steps only)
+        self.durations: dict[str, list[float]] = {}  # "width/batch" -> [samples, seconds, min, max]
+        self.controller = None
+        self.batches: set = set()
+        _dump_periodically(self)
 
     @classmethod
     def from_env(cls, rank: int):
         path = os.environ.get("NGRAMSPEC_PROFILE")
         return cls(path) if path and rank == 0 else None
 
+    def add_duration(self, width: int, batch_size: int, seconds: float) -> None:
+        row = self.durations.setdefault(f"{width}/{batch_size}", [0, 0.0, float("inf"), 0.0])
+        row[0] += 1
+        row[1] += seconds
+        row[2] = min(row[2], seconds)
+        row[3] = max(row[3], seconds)
+
     def add(self, width: int, batch_size: int, lagging: bool, wait_s: float, plan_s: float, launch_s: float,
-            forward_s: float, graph: bool) -> None:
+            forward_s: float, graph: bool, plan=None, controller=None) -> None:
         key = ("plain-overlapped" if lagging else "plain") if width == 1 else "verify"
+        if plan is not None:
+            self.reasons[plan.reason] = self.reasons.get(plan.reason, 0) + 1
+            self.expected[0] += batch_size
+            self.expected[1] += float(plan.expected_tokens)
+            if width > 1:
+                self.expected[2] += float(plan.expected_tokens)
+            self.controller = controller
+            self.batches.add(batch_size)
         row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0])
         row[6] += forward_s
         row[7] += bool(graph)
@@ -580,14 +606,40 @@ class _HostProfile:
         row[4] += launch_s
         row[5] += width
         self.steps += 1
-        if self.steps % 20 == 0:
-            self.dump()
 
     def dump(self) -> None:
         out = {k: {"steps": r[0], "requests": r[1], "width": r[5], "wait_s": r[2], "plan_s": r[3], "launch_s": r[4],
                    "forward_s": r[6], "graph_steps": r[7]} for k, r in self.rows.items()}
+        costs = {}
+        estimates = getattr(getattr(self.controller, "costs", None), "row", None)
+        if estimates is not None:
+            widths = self.controller.costs.widths
+            for b in sorted(self.batches)[:8]:
+                row = estimates(b)
+                costs[str(b)] = {str(w): [round(float(c), 4), bool(m)] for w, c, m in zip(widths, row[0], row[1])}
+        out["_diag"] = {"reasons": self.reasons, "planned_requests": self.expected[0],
+                        "expected_tokens": self.expected[1], "expected_tokens_drafting": self.expected[2],
+                        "durations": self.durations, "cost_estimates_ms": costs}
         with open(self.path, "w") as f:
             json.dump(out, f, indent=1)
+
+
+def _dump_periodically(profile, period_s: float = 0.25) -> None:
+    """A daemon thread that rewrites ``profile``'s file every ``period_s`` while its step count changes."""
+    import threading
+
+    def loop():
+        seen = -1
+        while True:
+            time.sleep(period_s)
+            if profile.steps != seen:
+                try:
+                    profile.dump()
+                    seen = profile.steps
+                except (RuntimeError, OSError):  # a dict changed under us: next tick
+                    pass
+
+    threading.Thread(target=loop, name="ngramspec-profile", daemon=True).start()
 
 
 class _DraftLog:

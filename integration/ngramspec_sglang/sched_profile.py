@@ -1,0 +1,102 @@
+"""Host time of the SGLang scheduler's phases, for diagnosis (off unless NGRAMSPEC_SCHED_PROFILE=FILE is set).
+
+Wraps the scheduler loop's phases with AROUND hooks (inclusive host seconds and calls per phase) and measures
+the decode step period (host time between consecutive decode ``run_batch`` starts, under 1 s). It works for every
+algorithm, plain decoding included (the plugin loads in every SGLang process), so the same phases can be compared
+between plain decoding, NGRAM and NGRAM_ADAPTIVE in one run. TP rank 0's scheduler process rewrites FILE four
+times a second while decode steps run, with running sums (readers difference two snapshots).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from functools import partial
+
+_PHASES = {
+    "ingest_requests": "sglang.srt.managers.scheduler.Scheduler.ingest_requests",
+    "get_next_batch_to_run": "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+    "update_running_batch": "sglang.srt.managers.scheduler.Scheduler.update_running_batch",
+    "prepare_for_decode": "sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode",
+    "run_batch": "sglang.srt.managers.scheduler.Scheduler.run_batch",
+    "worker_forward": "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
+    "war_barrier": "sglang.srt.managers.scheduler.Scheduler._apply_war_barrier",
+    "batch_copy": "sglang.srt.managers.schedule_batch.ScheduleBatch.copy",
+    "process_batch_result": "sglang.srt.managers.scheduler.Scheduler.process_batch_result",
+    "process_result_decode": ("sglang.srt.managers.scheduler_components.batch_result_processor."
+                              "SchedulerBatchResultProcessor.process_batch_result_decode"),
+    "launch_sample": "sglang.srt.managers.scheduler.Scheduler.launch_batch_sample_if_needed",
+}
+
+
+class _Sums:
+    def __init__(self, path: str):
+        self.path = path
+        self.rows: dict[str, list] = {}
+        self.decode_steps = 0
+        self.decode_period_s = 0.0
+        self.decode_periods = 0
+        self._last_decode = None
+        self._rank0 = None
+
+    def around(self, name, original, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            row = self.rows.setdefault(name, [0, 0.0])
+            row[0] += 1
+            row[1] += time.perf_counter() - t
+
+    def run_batch(self, original, scheduler, batch, *args, **kwargs):
+        t = time.perf_counter()
+        if batch is not None and batch.forward_mode.is_decode():
+            if self._last_decode is not None and t - self._last_decode < 1.0:
+                self.decode_period_s += t - self._last_decode
+                self.decode_periods += 1
+            self._last_decode = t
+            self.decode_steps += 1
+            if self._rank0 is None:
+                self._rank0 = getattr(scheduler, "tp_rank", 0) == 0
+                if self._rank0:
+                    self._start_dumper()
+        else:
+            self._last_decode = None
+        return self.around("run_batch", original, scheduler, batch, *args, **kwargs)
+
+    def _start_dumper(self, period_s: float = 0.25) -> None:
+        import threading
+
+        def loop():
+            seen = -1
+            while True:
+                time.sleep(period_s)
+                if self.decode_steps != seen:
+                    try:
+                        self.dump()
+                        seen = self.decode_steps
+                    except (RuntimeError, OSError):
+                        pass
+
+        threading.Thread(target=loop, name="ngramspec-sched-profile", daemon=True).start()
+
+    def dump(self) -> None:
+        out = {"decode_steps": self.decode_steps, "decode_periods": self.decode_periods,
+               "decode_period_s": self.decode_period_s,
+               "phases": {k: {"calls": r[0], "seconds": r[1]} for k, r in self.rows.items()}}
+        with open(self.path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def register_profile_hooks() -> bool:
+    """Install the phase timers if NGRAMSPEC_SCHED_PROFILE is set; True if installed."""
+    path = os.environ.get("NGRAMSPEC_SCHED_PROFILE")
+    if not path:
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    sums = _Sums(path)
+    for name, target in _PHASES.items():
+        hook = sums.run_batch if name == "run_batch" else partial(sums.around, name)
+        HookRegistry.register(target, hook, HookType.AROUND)
+    return True
