@@ -50,9 +50,7 @@ def padded_rows(accept_tokens: torch.Tensor, stride: int) -> torch.Tensor:
         raise ValueError(f"width {width} exceeds the output stride {stride}")
     if width == stride:
         return accept_tokens.flatten()
-    out = torch.zeros((bs, stride), dtype=accept_tokens.dtype, device=accept_tokens.device)
-    out[:, :width] = accept_tokens
-    return out.flatten()
+    return torch.nn.functional.pad(accept_tokens, (0, stride - width)).flatten()  # one kernel
 
 
 def next_draft_input(accept_tokens_flat, accept_lens, new_seq_lens, stride: int) -> NgramVerifyInput:

@@ -8,7 +8,11 @@ the time between the GPU reaching the end of the previous step and reaching the 
 the host left before it, plus its own execution. A plain step launched while the GPU is still busy (nothing to
 wait for) costs just its execution; a drafting step pays for its wait. Widths compare as the server sees them.
 
-A period that spans anything other than two consecutive decode steps (a prefill in between) is dropped.
+A period that spans anything other than two consecutive decode steps (a prefill in between) is dropped, and so
+is the first period of each (width, batch size): the first step of a shape pays one-time costs (lazy
+allocations, kernel builds, a first graph replay) that can be a hundred times a step's cost. One such sample
+would set that width's estimate, and through it the estimates of the widths never measured, so high that the
+controller never tries them again.
 Marks are CUDA events on the forward stream (read without blocking, once the GPU has passed them), or host
 clock readings where there is no GPU.
 """
@@ -23,7 +27,8 @@ class StepTimer:
     """Turns a mark at the end of every decode step into ``record(width, batch_size, seconds)`` per step."""
 
     def __init__(self, record: Callable[[int, int, float], None], mark: Callable[[], Any],
-                 passed: Callable[[Any], bool], seconds: Callable[[Any, Any], float], max_period_s: float = 10.0):
+                 passed: Callable[[Any], bool], seconds: Callable[[Any, Any], float], max_period_s: float = 10.0,
+                 drop_first_of_each_shape: bool = True):
         self._record = record
         self._mark = mark
         self._passed = passed
@@ -32,6 +37,7 @@ class StepTimer:
         self._queue: deque = deque()  # (width, batch_size, mark, follows_a_decode_step)
         self._last = None  # the newest mark the device has passed
         self._chained = False
+        self._seen: set | None = set() if drop_first_of_each_shape else None  # shapes whose first period went
         self.recorded = 0
         self.dropped = 0
 
@@ -64,7 +70,10 @@ class StepTimer:
             width, batch_size, mark, chained = self._queue.popleft()
             if chained and self._last is not None:
                 period = self._seconds(self._last, mark)
-                if 0.0 < period <= self._max_period_s:
+                if self._seen is not None and (width, batch_size) not in self._seen:
+                    self._seen.add((width, batch_size))
+                    self.dropped += 1
+                elif 0.0 < period <= self._max_period_s:
                     self._record(width, batch_size, period)
                     self.recorded += 1
                 else:

@@ -61,6 +61,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang.srt.utils import is_cpu
 
 from .algorithm import set_cpu_seq_lens_need
+from .backoff import PlanBackoff
 from .config import resolve_config
 from .drafting import DraftPlanner
 from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens, request_views
@@ -103,6 +104,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
             self._record_duration, None if _is_cpu else torch.get_device_module(self.device),
         )
         self._drafted_last = False  # the last decode step drafted: the next one waits for its tokens
+        self._backoff = PlanBackoff()  # plan less often while plans draft nothing
+        self._next_roots: tuple | None = None  # (request ids, their last committed tokens on the device)
         self._forward_s = 0.0
         self._draft_log = _DraftLog.from_env(self._tp_group.rank_in_group)
         set_cpu_seq_lens_need(self._backends_need_cpu_seq_lens)
@@ -145,6 +148,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
     def _init_preallocated_tensors(self):
         bs, w = self.max_batch_size, self.max_width
         long = dict(dtype=torch.int64, device=self.device)
+        self._ones = torch.ones(bs, dtype=torch.int32, device=self.device)  # accept lengths of plain steps
         self.draft_tokens = torch.empty(bs * w, **long)
         self.positions = torch.empty(bs * w, **long)
         self.retrieve_indexes = torch.empty(bs * w, **long)
@@ -287,6 +291,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._prev_decode_rids = set()
         self._timer.interrupt()
         self._drafted_last = False
+        self._backoff.reset()
+        self._next_roots = None
 
     def add_external_corpus(self, corpus_id, token_chunks):
         raise NotImplementedError("NGRAM_ADAPTIVE has no external corpus; use --speculative-algorithm NGRAM")
@@ -310,7 +316,9 @@ class NgramAdaptiveWorker(NGRAMWorker):
         this runs. Waiting for them idles the GPU, so a step first plans on what the host already has (the
         requests' tokens up to the step before): if that plan drafts nothing, the step runs as a plain decode
         of the relayed last tokens, without waiting, exactly as SGLang's own decode overlaps. Only a step that
-        drafts (or follows one: its accepted tokens are needed to draft on) waits, and plans on exact tokens."""
+        drafts (or follows one: its accepted tokens are needed to draft on) waits, and plans on exact tokens.
+        While plans keep drafting nothing, planning backs off (`PlanBackoff`): after n such plans in a row the next
+        min(n, 3) steps run plain without planning (the cache catches up on their tokens at the next plan)."""
         if not batch.forward_mode.is_decode():
             self._timer.interrupt()
             return self._forward_extend(batch, on_publish, pp_proxy_tensors)
@@ -319,7 +327,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         record_stream_for_v2_verify(batch, None, fwd_stream)
         set_time_batch(batch.reqs, "set_spec_draft_start_time", trace_only=True)
         bs = len(batch.reqs)
-        current_rids = {req.rid for req in batch.reqs}
+        rids = tuple(req.rid for req in batch.reqs)
+        current_rids = set(rids)
         self.planner.release(self._prev_decode_rids - current_rids)
         self._prev_decode_rids = current_rids
         self._timer.harvest()
@@ -328,11 +337,12 @@ class NgramAdaptiveWorker(NGRAMWorker):
         lagging = relayed and plain_fits and not self._drafted_last
         waited = 0.0
         roots = None
-        if self.config.fixed_width == 1 and plain_fits:  # never drafts: no planner, no host tokens needed
-            roots = relayed_last_tokens(batch.spec_info, bs)
+        if lagging and (self.config.fixed_width == 1 or self._backoff.to_skip > 0):  # no planner, no host tokens
+            roots = self._last_tokens(batch, rids)
             if roots is not None:
+                self._backoff.skip_planning()
                 t_plan = time.perf_counter()
-                result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors)
+                result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids)
                 self._timer.step_launched(1, bs)
                 if self._profile is not None:
                     self._profile.add(1, bs, True, 0.0, t_plan - t0, time.perf_counter() - t_plan,
@@ -342,7 +352,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         views = request_views(batch, relayed and not lagging)
         plan = self.planner.plan(views, waiting=self.waiting_requests)
         if lagging and plan.width == 1:
-            roots = relayed_last_tokens(batch.spec_info, bs)
+            roots = self._last_tokens(batch, rids)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
             t1 = time.perf_counter()
             views = request_views(batch, True)
@@ -353,12 +363,14 @@ class NgramAdaptiveWorker(NGRAMWorker):
         if plan.width == 1 and plain_fits:
             if roots is None:
                 roots = torch.from_numpy(np.ascontiguousarray(plan.tokens[:, 0], dtype=np.int64))
-            result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors)
+            result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids)
         else:
             # the root is the last committed token, not yet in the KV cache
             seq_lens_host = [v.committed_len - 1 for v in views]
             result = self._forward_verify(batch, plan, seq_lens_host, on_publish, pp_proxy_tensors)
+            self._next_roots = None
         self._drafted_last = plan.width > 1
+        self._backoff.planned(plan.width)
         self._timer.step_launched(plan.width, bs)
         if self._profile is not None:
             self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,
@@ -366,6 +378,14 @@ class NgramAdaptiveWorker(NGRAMWorker):
         if self._draft_log is not None:
             self._draft_log.write(plan)
         return result
+
+    def _last_tokens(self, batch: ScheduleBatch, rids: tuple) -> torch.Tensor | None:
+        """Each request's last committed token on the device, without waiting: what the previous plain step
+        sampled if the batch holds the same requests in the same order, else read from the overlap relay."""
+        known = self._next_roots
+        if known is not None and known[0] == rids:
+            return known[1]
+        return relayed_last_tokens(batch.spec_info, len(rids))
 
     def _plain_decode_fits(self, batch: ScheduleBatch) -> bool:
         """Batches the plain decode path serves like SGLang's own decode; others take a 1-token verify."""
@@ -376,7 +396,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
             or get_exec().mamba.enable_mamba_extra_buffer
         )
 
-    def _forward_plain(self, batch: ScheduleBatch, roots: torch.Tensor, on_publish, pp_proxy_tensors):
+    def _forward_plain(self, batch: ScheduleBatch, roots: torch.Tensor, on_publish, pp_proxy_tensors, rids: tuple):
         """Width 1: one DECODE forward of each request's last committed token and the normal sampler.
 
         Under speculation the batch's `seq_lens` count the tokens already in the KV cache and the last committed
@@ -400,7 +420,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         batch.forward_mode = ForwardMode.DECODE
         batch.input_ids = input_ids
         batch.spec_info = None
-        batch.seq_lens = seq_lens + 1
+        new_seq_lens = seq_lens + 1
+        batch.seq_lens = new_seq_lens
         if seq_lens_cpu is not None:
             batch.seq_lens_cpu = seq_lens_cpu + 1
         if seq_lens_sum is not None:
@@ -416,8 +437,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
             batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens = (
                 seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens)
         predict = batch_result.next_token_ids.to(torch.int32)
-        new_seq_lens = seq_lens + 1
-        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        self._next_roots = (rids, predict)
+        accept_lens = self._ones[:bs]  # never written to downstream
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
