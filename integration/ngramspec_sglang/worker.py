@@ -195,9 +195,9 @@ class NgramAdaptiveWorker(NGRAMWorker):
     def _warm_step_kernels(self) -> None:
         """Build now the kernels a decode step runs outside the captured graphs, which SGLang would otherwise
         JIT-compile inside the first request that needs each one (a stall of seconds per kernel and shape class):
-        the tree-index / greedy-verify module, and the Triton kernels specialised on the batch size's or the
-        verify window's power of two (cache locations, accepted-token moves). Dummy inputs only address the
-        KV pool's padding slot 0."""
+        the greedy-verify module, and the Triton kernels specialised on the verify width (tree indices from the
+        mask) or on the batch size's or the verify window's power of two (cache locations, accepted-token
+        moves). Dummy inputs only address the KV pool's padding slot 0."""
         if _is_cpu:
             return
         from sglang.kernels.ops.speculative.eagle import fill_accept_out_cache_loc_func
@@ -225,13 +225,15 @@ class NgramAdaptiveWorker(NGRAMWorker):
                 fill_accept_out_cache_loc_func(torch.full((size,), -1, dtype=torch.int32, device=dev),
                                                torch.zeros(size, **long), torch.zeros(size, **long), size)
             kv.move_kv_cache(torch.zeros(1, **long), torch.zeros(1, **long))
-            bs, w = 2, min(2, w_max)
-            mask = torch.ones((bs, w, w), dtype=torch.bool, device=dev).tril().reshape(-1)
+            bs = 2
             seq = torch.ones(bs, **long)
-            positions = torch.empty(bs * w, **long)
-            r_index, r_next, r_sib = (torch.empty((bs, w), **long) for _ in range(3))
-            reconstruct_indices_from_tree_mask_func(mask, seq, positions, r_index, r_next, r_sib, bs, w)
-            full_verify_mask(mask.view(bs, w, w), seq, bs)
+            widths = [x for x in self.config.widths if x > 1] or [min(2, w_max)]
+            for w in widths:  # the tree-index kernel is specialised on the width
+                mask = torch.ones((bs, w, w), dtype=torch.bool, device=dev).tril().reshape(-1)
+                positions = torch.empty(bs * w, **long)
+                r_index, r_next, r_sib = (torch.empty((bs, w), **long) for _ in range(3))
+                reconstruct_indices_from_tree_mask_func(mask, seq, positions, r_index, r_next, r_sib, bs, w)
+                full_verify_mask(mask.view(bs, w, w), seq, bs)
             verify_tree_greedy_func(
                 predicts=torch.zeros(bs * w, dtype=torch.int32, device=dev),
                 accept_index=torch.full((bs, w), -1, dtype=torch.int32, device=dev),
