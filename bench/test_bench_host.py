@@ -41,8 +41,8 @@ from ngramspec import NgramCache
 from ngramspec.cache import warm_up
 from ngramspec.controller import AdaptiveController
 from ngramspec.layout import accepted_path
-from ngramspec.profiles import get_profile
-from ngramspec.traces import dev_trace_paths, load_trace
+from ngramspec.sim.profiles import get_profile
+from ngramspec.sim.traces import dev_trace_paths, load_trace
 
 TRACES = {p.name.split(".")[0]: p for p in dev_trace_paths()}
 TRACE = os.environ.get("HOST_BENCH_TRACE", "chat_gpt4")
@@ -217,7 +217,7 @@ class SglangCorpus:
     def __init__(self):
         from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
 
-        from ngramspec.methods.sglang_ngram import split_sglang_drafts
+        from ngramspec.sim.methods.sglang_ngram import split_sglang_drafts
 
         self.split = split_sglang_drafts
         self.corpus = NgramCorpus(max_trie_depth=SGLANG_DEPTH, min_bfs_breadth=1, max_bfs_breadth=10,

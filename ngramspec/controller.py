@@ -86,7 +86,7 @@ def default_prior(batch: int, width: int) -> float:
 
 def prior_from_calibration(path: str, column: str = "graph_ms") -> Callable[[int, int], float]:
     """c(B, n) from a calibration JSON (rows of B, k, kind, eager_ms, graph_ms), interpolated over B and n."""
-    from ngramspec.profiles import TableProfile
+    from ngramspec.sim.profiles import TableProfile
 
     return TableProfile.from_json(path, column).cost_ms
 

@@ -15,10 +15,10 @@ from collections import defaultdict
 import numpy as np
 
 from ngramspec.layout import accepted_length
-from ngramspec.methods import make_method
-from ngramspec.profiles import get_profile
-from ngramspec.simulate import replay, summarize
-from ngramspec.traces import load_trace
+from ngramspec.sim.methods import make_method
+from ngramspec.sim.profiles import get_profile
+from ngramspec.sim.simulate import replay, summarize
+from ngramspec.sim.traces import load_trace
 
 
 def instrumented(trace):

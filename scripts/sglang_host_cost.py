@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     profile = None
     if args.profile != "none":
-        from ngramspec.profiles import get_profile
+        from ngramspec.sim.profiles import get_profile
 
         profile = get_profile(args.profile)
     trace = Path(args.trace)

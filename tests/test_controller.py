@@ -6,10 +6,10 @@ from hypothesis import strategies as st
 
 from ngramspec import NgramCache
 from ngramspec.controller import AdaptiveController, CostModel, default_prior
-from ngramspec.methods import make_method
-from ngramspec.profiles import LinearProfile, get_profile
-from ngramspec.simulate import replay, summarize
-from ngramspec.traces import make_trace
+from ngramspec.sim.methods import make_method
+from ngramspec.sim.profiles import LinearProfile, get_profile
+from ngramspec.sim.simulate import replay, summarize
+from ngramspec.sim.traces import make_trace
 
 SEED = get_profile("seed-pcie8")
 
@@ -339,7 +339,7 @@ def test_numba_controller_takes_the_reference_decisions_on_a_real_trace():
     path = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mtbench_vicuna7b.jsonl.gz"
     if not path.is_file():
         pytest.skip(f"{path} not present")
-    from ngramspec.traces import load_trace
+    from ngramspec.sim.traces import load_trace
 
     tr = load_trace(str(path)).head(24)
     recs = [{"prompt": r.prompt.tolist(), "output": r.output.tolist()} for r in tr.requests]
@@ -544,7 +544,7 @@ def test_simulator_charges_measured_host_time():
     import gzip
     import json
 
-    from ngramspec.simulate import main
+    from ngramspec.sim.simulate import main
 
     def write_trace(path, records):
         with gzip.open(path, "wt") as fh:

@@ -139,7 +139,7 @@ def test_bad_input_raises(tiny_model, prompts):
 def test_adaptive_policy_takes_a_calibration_prior():
     from pathlib import Path
 
-    from ngramspec.profiles import TableProfile
+    from ngramspec.sim.profiles import TableProfile
 
     path = Path(__file__).resolve().parents[1] / "docs" / "engine" / "h200_smollm2_sdpa.json"
     policy = make_policy(f"adaptive:max_width=8,prior={path}")

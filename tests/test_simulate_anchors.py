@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from ngramspec.methods import make_method
-from ngramspec.profiles import get_profile
-from ngramspec.simulate import replay, summarize
-from ngramspec.traces import load_trace, shared_dir
+from ngramspec.sim.methods import make_method
+from ngramspec.sim.profiles import get_profile
+from ngramspec.sim.simulate import replay, summarize
+from ngramspec.sim.traces import load_trace, shared_dir
 
 TRACE = "agent_swe_gpt4_dev"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ngramspec.methods import Method, positive_int, register_method
+from ngramspec.sim.methods import Method, positive_int, register_method
 
 
 def _import_corpus():

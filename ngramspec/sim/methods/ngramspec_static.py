@@ -5,7 +5,7 @@ Width = 1 + draft length (no padding).
 """
 from __future__ import annotations
 
-from ngramspec.methods import Method, positive_int, register_method
+from ngramspec.sim.methods import Method, positive_int, register_method
 
 
 def make_cache(depth=None):

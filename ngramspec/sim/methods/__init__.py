@@ -91,7 +91,7 @@ def _load_builtins() -> None:
         return
     _loaded = True
     for module in _BUILTIN_MODULES:
-        importlib.import_module(f"ngramspec.methods.{module}")
+        importlib.import_module(f"ngramspec.sim.methods.{module}")
 
 
 def available_methods() -> list[str]:

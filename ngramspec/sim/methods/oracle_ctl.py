@@ -9,8 +9,8 @@ It is the best any controller can do with these drafts; the perfect drafter `ora
 from __future__ import annotations
 
 from ngramspec.layout import accepted_length
-from ngramspec.methods import EMPTY_DRAFT, chain, flag, register_method
-from ngramspec.methods.ngramspec_static import NgramspecStatic
+from ngramspec.sim.methods import EMPTY_DRAFT, chain, flag, register_method
+from ngramspec.sim.methods.ngramspec_static import NgramspecStatic
 
 
 class OracleController(NgramspecStatic):

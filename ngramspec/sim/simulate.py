@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from ngramspec.layout import accepted_length
-from ngramspec.methods import Method, make_method
-from ngramspec.profiles import CostProfile, get_profile
-from ngramspec.traces import Trace, load_trace
+from ngramspec.sim.methods import Method, make_method
+from ngramspec.sim.profiles import CostProfile, get_profile
+from ngramspec.sim.traces import Trace, load_trace
 
 BASELINE = "none"
 
@@ -505,8 +505,8 @@ def _setting(index, trace, profile, batch, adaptive, real, bound, labels) -> str
 
 
 def _method_help() -> str:
-    from ngramspec.methods import describe_methods
-    from ngramspec.profiles import BUILTIN_PROFILES
+    from ngramspec.sim.methods import describe_methods
+    from ngramspec.sim.profiles import BUILTIN_PROFILES
 
     return ("methods (--method NAME:key=value,...; parameters and their defaults):\n" + describe_methods() +
             "\n\nprofiles (--profile): " + ", ".join(BUILTIN_PROFILES) +
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="measured: add each step's measured host time to its cost (reports both speedups)")
     args = parser.parse_args(argv)
     batches = args.batch or [1]
-    from ngramspec.profiles import BUILTIN_PROFILES
+    from ngramspec.sim.profiles import BUILTIN_PROFILES
 
     profiles = args.profile or list(BUILTIN_PROFILES)
     notes: list[str] = []
