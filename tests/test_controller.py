@@ -209,7 +209,7 @@ def test_every_draft_is_judged_while_older_ones_are_pending():
         cache.add_tokens(0, [t])
         ctl.observe_tokens(0, [t])
         ctl.observe_step(1, 1, 1.0)
-    depth_one = ctl.top_trials.reshape(2, 6, 4, 4)[:, :, 0, :].sum()
+    depth_one = ctl.calibration.top_trials.reshape(2, 6, 4, 4)[:, :, 0, :].sum()
     assert roots_proposed > 50 and depth_one == roots_proposed
     assert ctl.pending(0) > 1  # the copy keeps several drafts alive at once
 
@@ -303,7 +303,8 @@ def _lockstep(records, batch, profile, steps, waiting_of=lambda n_left: n_left, 
             for c, ctl in zip(caches, (old, new)):
                 c.finish_request(rid)
                 ctl.finish(rid)
-    for a, b in ((old.succ, new.succ), (old.trials, new.trials), (old.top_trials, new.top_trials)):
+    cal = new.calibration
+    for a, b in ((old.succ, cal.succ), (old.trials, cal.trials), (old.top_trials, cal.top_trials)):
         assert np.array_equal(a, b)
     return logs
 
@@ -377,8 +378,10 @@ def _ready(widths=(1, 2, 4, 8)):
 
 def _state(ctl):
     c = ctl.costs
-    return (ctl.succ.copy(), ctl.trials.copy(), ctl._success.copy(), ctl._nd.copy(), ctl._nn.copy(),
-            c._ewma.copy(), c._ratio.copy(), c._g.copy(), c.clock, ctl._n_steps, len(ctl.trace))
+    cal, pend = ctl.calibration, ctl._pend
+    return (cal.succ.copy(), cal.trials.copy(), pend.success.copy(), pend.nd.copy(), pend.nn.copy(),
+            c.state.ewma.copy(), c.state.ratio.copy(), c.state.global_ratio.copy(), c.clock, ctl._n_steps,
+            len(ctl.trace))
 
 
 def _same(s1, s2):

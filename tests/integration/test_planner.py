@@ -305,10 +305,10 @@ def test_warm_up_leaves_the_planner_as_it_was():
     p = planner()
     p.plan([RequestView("a", [1, 2, 3, 1, 2, 3], [])])
     p.record_duration(2, 1, 0.01)
-    before = (p.tracked_requests, p.cache.stats(), p.controller.trials.copy(), p.controller.costs.clock,
+    before = (p.tracked_requests, p.cache.stats(), p.controller.calibration.trials.copy(), p.controller.costs.clock,
               p.stats.summary(), p._steps, list(p._local_durations), dict(p._fed))
     p.warm_up()
-    after = (p.tracked_requests, p.cache.stats(), p.controller.trials.copy(), p.controller.costs.clock,
+    after = (p.tracked_requests, p.cache.stats(), p.controller.calibration.trials.copy(), p.controller.costs.clock,
              p.stats.summary(), p._steps, list(p._local_durations), dict(p._fed))
     assert before[0] == after[0] and before[1] == after[1] and np.array_equal(before[2], after[2])
     assert before[3:] == after[3:]
