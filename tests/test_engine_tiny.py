@@ -145,7 +145,7 @@ def test_adaptive_policy_takes_a_calibration_prior():
     policy = make_policy(f"adaptive:max_width=8,prior={path}")
     assert policy.max_width == 8
     expected = TableProfile.from_json(str(path), "graph_ms").cost_ms(4, 6)
-    assert policy.controller.costs.estimate(4, 6) == pytest.approx(expected)
+    assert policy.costs.estimate(4, 6) == pytest.approx(expected)
     for bad in ("adaptive:explore_every=5", "adaptive:max_width=x"):
         with pytest.raises(ValueError):
             make_policy(bad)
