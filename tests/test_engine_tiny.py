@@ -13,9 +13,10 @@ transformers = pytest.importorskip("transformers")
 from engine_oracle import OracleCache  # noqa: E402
 
 from ngramspec import NgramCache  # noqa: E402
-from ngramspec.engine.decode import FixedPolicy, SpecDecoder, greedy_walk, tree_rows  # noqa: E402
+from ngramspec.engine.decode import FixedPolicy, SpecDecoder  # noqa: E402
 from ngramspec.engine.model import KVModel  # noqa: E402
 from ngramspec.engine.policy import make_policy  # noqa: E402
+from ngramspec.layout import greedy_walk, tree_rows  # noqa: E402
 
 VOCAB = 256
 

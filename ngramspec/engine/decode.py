@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ngramspec.controller import Controller, FixedBudgetController
+from ngramspec.layout import greedy_walk, tree_rows
 
 from .model import KVModel
 
@@ -83,46 +84,6 @@ class Verifier:
         if self.runner is not None:
             return self.runner(tokens, positions, slots, mask)
         return self.kv.forward(tokens, positions, slots, mask, rows=slice(0, tokens.shape[0]))
-
-
-def tree_rows(tokens: np.ndarray, parents: np.ndarray, root: int, width: int):
-    """Rows of one request's verify block: (tokens [width], parent rows [width], depths [width], ancestor mask
-    [width, width]). Row 0 is the root; draft node j is row j+1; unused rows are padding under the root."""
-    count = len(tokens)
-    if count > width - 1:
-        raise ValueError(f"draft of {count} nodes does not fit width {width}")
-    row_tokens = np.zeros(width, np.int64)
-    row_parent = np.zeros(width, np.int64)
-    depth = np.ones(width, np.int64)
-    anc = np.zeros((width, width), bool)
-    anc[:, 0] = True
-    anc[np.arange(width), np.arange(width)] = True
-    row_tokens[0], row_parent[0], depth[0] = root, -1, 0
-    for j in range(count):
-        p = int(parents[j]) + 1
-        if not 0 <= p <= j:
-            raise ValueError(f"draft node {j} has parent {parents[j]}: parents must precede children")
-        r = j + 1
-        row_tokens[r], row_parent[r], depth[r] = tokens[j], p, depth[p] + 1
-        anc[r] = anc[p]
-        anc[r, r] = True
-    return row_tokens, row_parent, depth, anc
-
-
-def greedy_walk(row_tokens: np.ndarray, row_parent: np.ndarray, count: int, predicted: np.ndarray) -> list[int]:
-    """Rows accepted by greedy verification: from the root, follow the child whose token the model predicted."""
-    path, r = [], 0
-    while True:
-        want = predicted[r]
-        nxt = -1
-        for c in range(1, count + 1):
-            if row_parent[c] == r and row_tokens[c] == want:
-                nxt = c
-                break
-        if nxt < 0:
-            return path
-        path.append(nxt)
-        r = nxt
 
 
 class SpecDecoder:
