@@ -39,7 +39,7 @@ import pytest
 
 from ngramspec import NgramCache
 from ngramspec.cache import warm_up
-from ngramspec.controller import AdaptiveController
+from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
 from ngramspec.layout import accepted_path
 from ngramspec.sim.profiles import get_profile
 from ngramspec.sim.traces import dev_trace_paths, load_trace
@@ -183,7 +183,7 @@ class Planner:
         from ngramspec_sglang.drafting import DraftPlanner, RequestView
 
         self.view = RequestView
-        self.planner = DraftPlanner(AdaptiveConfig(widths=(1, 2, 3, 4, 6, 8, 12, 16), max_depth=16))
+        self.planner = DraftPlanner(AdaptiveConfig(widths=DEFAULT_WIDTHS, max_depth=16))
         self.prompts, self.outs = {}, {}
 
     def start(self, rid, prompt):

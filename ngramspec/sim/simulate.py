@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ngramspec.controller import DEFAULT_WIDTHS
 from ngramspec.layout import accepted_length
 from ngramspec.sim.methods import Method, make_method
 from ngramspec.sim.profiles import CostProfile, get_profile
@@ -421,7 +422,7 @@ ANSWER_BOUNDS = [
     ("oracle controller", "oracle-ctl:k=15"),
     ("perfect drafter", "oracle:k=15"),
 ]
-PLUGIN_WIDTHS = (2, 3, 4, 6, 8, 12, 16)  # the plugin's candidate widths (--speculative-num-draft-tokens)
+PLUGIN_WIDTHS = tuple(w for w in DEFAULT_WIDTHS if w > 1)  # the plugin's --speculative-num-draft-tokens choices
 WORTH_IT = 1.05  # speedup below which the answer says to leave speculation off
 
 
