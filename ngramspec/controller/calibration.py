@@ -52,9 +52,6 @@ class Calibration(NamedTuple):
         return (self.top_succ.reshape(TOP_SHAPE).sum(axis=(0, 1, 3)),
                 self.top_trials.reshape(TOP_SHAPE).sum(axis=(0, 1, 3)))
 
-    def copy(self) -> "Calibration":
-        return Calibration(*(a.copy() for a in self))
-
     def load(self, other: "Calibration") -> None:
         """Overwrite these counts with ``other``'s (e.g. to start a controller warm)."""
         for dst, src in zip(self, other):
