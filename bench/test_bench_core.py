@@ -45,7 +45,7 @@ import pytest
 
 from ngramspec import NgramCache, _draft, _shared
 from ngramspec.layout import accepted_path
-from ngramspec.traces import dev_trace_paths, load_trace
+from ngramspec.sim.traces import dev_trace_paths, load_trace
 
 D, BUDGET = 16, 8
 BATCHES = (1, 64)
@@ -428,7 +428,7 @@ def sglang_corpus():
 
 class SglangCorpus:
     def __init__(self, corpus):
-        from ngramspec.methods.sglang_ngram import split_sglang_drafts
+        from ngramspec.sim.methods.sglang_ngram import split_sglang_drafts
 
         self.split = split_sglang_drafts
         corpus.reset()

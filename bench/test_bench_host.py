@@ -39,10 +39,10 @@ import pytest
 
 from ngramspec import NgramCache
 from ngramspec.cache import warm_up
-from ngramspec.controller import AdaptiveController
+from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
 from ngramspec.layout import accepted_path
-from ngramspec.profiles import get_profile
-from ngramspec.traces import dev_trace_paths, load_trace
+from ngramspec.sim.profiles import get_profile
+from ngramspec.sim.traces import dev_trace_paths, load_trace
 
 TRACES = {p.name.split(".")[0]: p for p in dev_trace_paths()}
 TRACE = os.environ.get("HOST_BENCH_TRACE", "chat_gpt4")
@@ -183,7 +183,7 @@ class Planner:
         from ngramspec_sglang.drafting import DraftPlanner, RequestView
 
         self.view = RequestView
-        self.planner = DraftPlanner(AdaptiveConfig(widths=(1, 2, 3, 4, 6, 8, 12, 16), max_depth=16))
+        self.planner = DraftPlanner(AdaptiveConfig(widths=DEFAULT_WIDTHS, max_depth=16))
         self.prompts, self.outs = {}, {}
 
     def start(self, rid, prompt):
@@ -217,7 +217,7 @@ class SglangCorpus:
     def __init__(self):
         from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
 
-        from ngramspec.methods.sglang_ngram import split_sglang_drafts
+        from ngramspec.sim.methods.sglang_ngram import split_sglang_drafts
 
         self.split = split_sglang_drafts
         self.corpus = NgramCorpus(max_trie_depth=SGLANG_DEPTH, min_bfs_breadth=1, max_bfs_breadth=10,

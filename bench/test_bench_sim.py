@@ -14,10 +14,10 @@ import os
 
 import pytest
 
-from ngramspec.methods import make_method
-from ngramspec.profiles import BUILTIN_PROFILES, get_profile
-from ngramspec.simulate import replay, summarize
-from ngramspec.traces import dev_trace_paths, load_trace
+from ngramspec.sim.methods import make_method
+from ngramspec.sim.profiles import BUILTIN_PROFILES, get_profile
+from ngramspec.sim.simulate import replay, summarize
+from ngramspec.sim.traces import dev_trace_paths, load_trace
 
 TRACES = {p.name.split(".")[0]: p for p in dev_trace_paths()}
 BENCH_TRACE = "mtbench_vicuna7b"  # the smallest multi-request trace: fast enough to run every method

@@ -28,9 +28,9 @@ import os
 import time
 
 import numpy as np
-from numba import njit
 
 from ngramspec import NgramCache, _trie
+from ngramspec.layout import accepted_lengths
 
 TOKENS = int(os.environ.get("NGRAMSPEC_SOAK_TOKENS", 10_000_000))
 BATCH, BUDGET, D, VOCAB = 64, 8, 16, 32_000
@@ -42,24 +42,6 @@ SAMPLES = 20  # RSS and throughput windows over the stream
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-@njit(cache=True)
-def accept_batch(tokens, parents, offsets, truth, t_off, out):
-    """Greedy verification of every draft of a batch: out[i] = accepted nodes of draft i given truth i."""
-    for i in range(offsets.shape[0] - 1):
-        a, b = offsets[i], offsets[i + 1]
-        cur, n = -1, 0
-        for q in range(t_off[i], t_off[i + 1]):
-            nxt = -1
-            for j in range(a, b):
-                if parents[j] == cur and tokens[j] == truth[q]:
-                    nxt = j - a
-                    break
-            if nxt < 0:
-                break
-            cur, n = nxt, n + 1
-        out[i] = n
 
 
 def invalid_drafts(batch, budget: int) -> int:
@@ -153,7 +135,7 @@ def soak(total_tokens: int, seed: int = 0) -> dict:
             seg = out[p:p + BUDGET + 1]
             truth[t_off[i]:t_off[i] + seg.size] = seg
             t_off[i + 1] = t_off[i] + seg.size
-        accept_batch(batch.tokens, batch.parents, batch.offsets, truth, t_off[:len(rids) + 1], acc)
+        accepted_lengths(batch.tokens, batch.parents, batch.offsets, truth, t_off[:len(rids) + 1], acc)
         commits = []
         for i, rid in enumerate(rids):
             out, p = live[rid]

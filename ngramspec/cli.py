@@ -10,9 +10,9 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "simulate": ("ngramspec.simulate", "Will n-gram speculation help on my traffic? Replay request logs "
+    "simulate": ("ngramspec.sim.simulate", "Will n-gram speculation help on my traffic? Replay request logs "
                                        "(token ids or text) under cost profiles and compare draft methods."),
-    "profiles": ("ngramspec.profiles", "List the built-in cost profiles (or describe your own FILE.json)."),
+    "profiles": ("ngramspec.sim.profiles", "List the built-in cost profiles (or describe your own FILE.json)."),
     "demo": ("ngramspec.engine.demo", "Plain greedy vs NGRAM_ADAPTIVE on a real model (SmolLM2-135M)."),
     "calibrate": ("ngramspec.engine.calibrate", "Measure the verify cost c(B, n) of a model on this device."),
 }

@@ -1,4 +1,5 @@
-"""Draft trees -> the arrays a verifier needs, and greedy acceptance.
+"""Draft trees: the arrays a verifier needs, and greedy acceptance. Every module that lays out a tree, reads one
+back from a mask or walks the accepted path uses these.
 
 Layout (SGLang's NGRAM convention): per request, ``width`` rows; row 0 is the root (the last committed token),
 row j+1 is draft node j. ``mask[i, j]`` is True iff j is i or an ancestor of i. ``depths`` are position offsets
@@ -100,6 +101,31 @@ def layout_flat(tokens: np.ndarray, parents: np.ndarray, offsets: np.ndarray, le
     return TreeLayout(*_layout(tokens, parents, offsets, lengths, roots, int(width)))
 
 
+def tree_rows(tokens, parents, root: int, width: int):
+    """One request's verify block: (tokens [width], parent rows [width], depths [width], mask [width, width]),
+    the ``TreeLayout`` convention. ValueError if the draft does not fit ``width`` or a parent does not precede
+    its child."""
+    count = len(tokens)
+    if count > width - 1:
+        raise ValueError(f"draft of {count} nodes does not fit width {width}")
+    parents = np.asarray(parents, np.int64)
+    for j in range(count):
+        if not -1 <= parents[j] < j:
+            raise ValueError(f"draft node {j} has parent {parents[j]}: parents must precede children")
+    lay = layout_flat(np.asarray(tokens, np.int64).reshape(count), parents.reshape(count),
+                      np.array([0, count], np.int64), np.array([count], np.int64), np.array([root], np.int64), width)
+    return lay.tokens[0], lay.parents[0], lay.depths[0], lay.mask[0]
+
+
+def mask_parents(mask: np.ndarray) -> np.ndarray:
+    """Parent rows from ancestor masks ``[..., W, W]`` (``mask[i, j]``: j is i or an ancestor of i): each row's
+    deepest strict ancestor, -1 for a row without one (the root)."""
+    mask = np.asarray(mask).astype(bool)
+    rows = np.arange(mask.shape[-1])
+    ancestors = mask & (rows[None, :] < rows[:, None])
+    return np.where(ancestors.any(-1), (ancestors * rows).argmax(-1), -1)
+
+
 def tree_layout(drafts: Sequence, roots: Sequence[int], width: int) -> TreeLayout:
     """Lay out a batch of drafts (``Draft`` objects or (tokens, parents) pairs) at a fixed verify width.
 
@@ -144,6 +170,15 @@ def accepted_length(tokens, parents, output, pos):
     return depth
 
 
+@njit(cache=True)
+def accepted_lengths(tokens, parents, offsets, truth, truth_offsets, out):
+    """``accepted_length`` for every draft of flat arrays: draft i (``offsets[i]:offsets[i+1]``) against its
+    true continuation ``truth[truth_offsets[i]:truth_offsets[i+1]]``, into ``out[i]``."""
+    for i in range(offsets.shape[0] - 1):
+        a, b = offsets[i], offsets[i + 1]
+        out[i] = accepted_length(tokens[a:b], parents[a:b], truth[truth_offsets[i]:truth_offsets[i + 1]], 0)
+
+
 def accepted_path(tokens, parents, truth) -> list[int]:
     """Draft nodes accepted by greedy verification when the model's true continuation is ``truth``: the longest
     root path whose tokens equal a prefix of ``truth`` (first matching child in node order at each depth)."""
@@ -162,3 +197,20 @@ def accepted_path(tokens, parents, truth) -> list[int]:
         path.append(nxt)
         cur = nxt
     return path
+
+
+def greedy_walk(row_tokens: np.ndarray, row_parent: np.ndarray, count: int, predicted: np.ndarray) -> list[int]:
+    """Rows accepted by greedy verification of a laid-out block (``tree_rows``): from the root, follow the child
+    whose token the model predicted after its parent row (``predicted[row]``); the first such child in row order."""
+    path, r = [], 0
+    while True:
+        want = predicted[r]
+        nxt = -1
+        for c in range(1, count + 1):
+            if row_parent[c] == r and row_tokens[c] == want:
+                nxt = c
+                break
+        if nxt < 0:
+            return path
+        path.append(nxt)
+        r = nxt

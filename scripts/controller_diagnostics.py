@@ -15,10 +15,10 @@ from collections import defaultdict
 import numpy as np
 
 from ngramspec.layout import accepted_length
-from ngramspec.methods import make_method
-from ngramspec.profiles import get_profile
-from ngramspec.simulate import replay, summarize
-from ngramspec.traces import load_trace
+from ngramspec.sim.methods import make_method
+from ngramspec.sim.profiles import get_profile
+from ngramspec.sim.simulate import replay, summarize
+from ngramspec.sim.traces import load_trace
 
 
 def instrumented(trace):
@@ -69,13 +69,11 @@ def main():
         print(f"first level with 5+ siblings: {s.sum()} drafts, P(one accepted) predicted {R[s, 2].mean():.3f}, "
               f"realized {R[s, 3].mean():.3f}")
     ctl = method.ctl
-    succ = ctl.top_succ.reshape(2, 6, 4, 4).sum(axis=(0, 1, 3))
-    trials = ctl.top_trials.reshape(2, 6, 4, 4).sum(axis=(0, 1, 3))
+    succ, trials = ctl.calibration.by_depth()
     print("conditional acceptance by depth (1 | 2-3 | 4-7 | 8+):",
           " ".join(f"{a / max(t, 1):.2f} ({int(t)})" for a, t in zip(succ, trials)))
     warm = make_method("ngramspec-adaptive")
-    for dst, src in zip(warm.ctl._tables(), ctl._tables()):
-        dst[:] = src
+    warm.ctl.calibration.load(ctl.calibration)
     print(f"hindsight warm start (calibration of the first replay): "
           f"{summarize(replay(trace, warm, batch, profile), profile, base)['speedup']:.3f}")
 

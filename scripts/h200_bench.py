@@ -30,7 +30,7 @@ def run_config(model, prompts, batch, mode, spec, max_new, eos):
     from ngramspec.engine.policy import make_policy
 
     policy = make_policy(spec)
-    max_width = 1 + (policy.budgets(batch) if policy else 0)
+    max_width = policy.max_width if policy else 1
     kv = KVModel(model, batch=batch, max_len=max(map(len, prompts)) + max_new + max_width + 1)
     runner = GraphRunner(kv) if mode == "graph" else None
     if runner is not None:

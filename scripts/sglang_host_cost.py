@@ -23,9 +23,8 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
-from ngramspec.layout import accepted_path
+from ngramspec.controller import DEFAULT_WIDTHS
+from ngramspec.layout import accepted_path, mask_parents
 from ngramspec_sglang.config import AdaptiveConfig
 from ngramspec_sglang.drafting import DraftPlanner, RequestView
 
@@ -45,7 +44,7 @@ def _commit(tokens, parents, truth) -> int:
 
 
 def run_ours(records, width: int, max_steps: int, adaptive: bool, profile=None) -> dict:
-    cfg = AdaptiveConfig(widths=tuple(w for w in (1, 2, 3, 4, 6, 8, 12, 16) if w < width) + (width,),
+    cfg = AdaptiveConfig(widths=tuple(w for w in DEFAULT_WIDTHS if w < width) + (width,),
                          max_depth=18, fixed_width=None if adaptive else width)
     planner = DraftPlanner(cfg)
     outs = {i: [] for i in range(len(records))}
@@ -63,7 +62,7 @@ def run_ours(records, width: int, max_steps: int, adaptive: bool, profile=None) 
         for b, i in enumerate(live):
             truth = records[i]["output"][len(outs[i]):]
             rows = plan.tokens[b, 1: 1 + int(plan.drafted[b])]
-            parents = [-1 if p == 0 else int(p) - 1 for p in _parents_of(plan.mask[b])[1: 1 + int(plan.drafted[b])]]
+            parents = [-1 if p == 0 else int(p) - 1 for p in mask_parents(plan.mask[b])[1: 1 + int(plan.drafted[b])]]
             n = min(_commit(rows, parents, truth), len(truth))
             outs[i].extend(truth[:n])
             committed += n
@@ -75,12 +74,6 @@ def run_ours(records, width: int, max_steps: int, adaptive: bool, profile=None) 
             "tokens_per_request_step": committed / _request_steps(planner),
             "steps": steps, "model_tok_s": 1000 * committed / gpu_ms if gpu_ms else float("nan"),
             "mean_width": planner.stats.width_tokens / _request_steps(planner)}
-
-
-def _parents_of(mask: np.ndarray) -> np.ndarray:
-    rows = np.arange(mask.shape[0])
-    ancestors = mask & (rows[None, :] < rows[:, None])
-    return np.where(ancestors.any(1), (ancestors * rows).argmax(1), -1)
 
 
 def _request_steps(planner: DraftPlanner) -> int:
@@ -118,7 +111,7 @@ def run_sglang_ngram(records, width: int, max_steps: int, profile=None) -> dict:
         tails = []
         for b, i in enumerate(live):
             truth = records[i]["output"][len(outs[i]):]
-            parents = _parents_of(masks[b])
+            parents = mask_parents(masks[b])
             n = min(_commit(ids[b, 1:], parents[1:] - 1, truth), len(truth))
             outs[i].extend(truth[:n])
             committed += n
@@ -148,7 +141,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     profile = None
     if args.profile != "none":
-        from ngramspec.profiles import get_profile
+        from ngramspec.sim.profiles import get_profile
 
         profile = get_profile(args.profile)
     trace = Path(args.trace)

@@ -6,10 +6,10 @@ from hypothesis import strategies as st
 
 from ngramspec import NgramCache
 from ngramspec.controller import AdaptiveController, CostModel, default_prior
-from ngramspec.methods import make_method
-from ngramspec.profiles import LinearProfile, get_profile
-from ngramspec.simulate import replay, summarize
-from ngramspec.traces import make_trace
+from ngramspec.sim.methods import make_method
+from ngramspec.sim.profiles import LinearProfile, get_profile
+from ngramspec.sim.simulate import replay, summarize
+from ngramspec.sim.traces import make_trace
 
 SEED = get_profile("seed-pcie8")
 
@@ -209,7 +209,7 @@ def test_every_draft_is_judged_while_older_ones_are_pending():
         cache.add_tokens(0, [t])
         ctl.observe_tokens(0, [t])
         ctl.observe_step(1, 1, 1.0)
-    depth_one = ctl.top_trials.reshape(2, 6, 4, 4)[:, :, 0, :].sum()
+    depth_one = ctl.calibration.top_trials.reshape(2, 6, 4, 4)[:, :, 0, :].sum()
     assert roots_proposed > 50 and depth_one == roots_proposed
     assert ctl.pending(0) > 1  # the copy keeps several drafts alive at once
 
@@ -303,7 +303,8 @@ def _lockstep(records, batch, profile, steps, waiting_of=lambda n_left: n_left, 
             for c, ctl in zip(caches, (old, new)):
                 c.finish_request(rid)
                 ctl.finish(rid)
-    for a, b in ((old.succ, new.succ), (old.trials, new.trials), (old.top_trials, new.top_trials)):
+    cal = new.calibration
+    for a, b in ((old.succ, cal.succ), (old.trials, cal.trials), (old.top_trials, cal.top_trials)):
         assert np.array_equal(a, b)
     return logs
 
@@ -339,7 +340,7 @@ def test_numba_controller_takes_the_reference_decisions_on_a_real_trace():
     path = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mtbench_vicuna7b.jsonl.gz"
     if not path.is_file():
         pytest.skip(f"{path} not present")
-    from ngramspec.traces import load_trace
+    from ngramspec.sim.traces import load_trace
 
     tr = load_trace(str(path)).head(24)
     recs = [{"prompt": r.prompt.tolist(), "output": r.output.tolist()} for r in tr.requests]
@@ -377,8 +378,10 @@ def _ready(widths=(1, 2, 4, 8)):
 
 def _state(ctl):
     c = ctl.costs
-    return (ctl.succ.copy(), ctl.trials.copy(), ctl._success.copy(), ctl._nd.copy(), ctl._nn.copy(),
-            c._ewma.copy(), c._ratio.copy(), c._g.copy(), c.clock, ctl._n_steps, len(ctl.trace))
+    cal, pend = ctl.calibration, ctl._pend
+    return (cal.succ.copy(), cal.trials.copy(), pend.success.copy(), pend.nd.copy(), pend.nn.copy(),
+            c.state.ewma.copy(), c.state.ratio.copy(), c.state.global_ratio.copy(), c.clock, ctl._n_steps,
+            len(ctl.trace))
 
 
 def _same(s1, s2):
@@ -544,7 +547,7 @@ def test_simulator_charges_measured_host_time():
     import gzip
     import json
 
-    from ngramspec.simulate import main
+    from ngramspec.sim.simulate import main
 
     def write_trace(path, records):
         with gzip.open(path, "wt") as fh:

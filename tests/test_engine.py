@@ -134,9 +134,9 @@ def test_simulator_replaying_the_engine_trace_predicts_its_accept_length(decoder
     greedy outputs with the same method: same steps, same accepted tokens."""
     pytest.importorskip("numba")
     from ngramspec.engine.trace import write_trace
-    from ngramspec.methods import make_method
-    from ngramspec.simulate import replay
-    from ngramspec.traces import load_trace
+    from ngramspec.sim.methods import make_method
+    from ngramspec.sim.simulate import replay
+    from ngramspec.sim.traces import load_trace
 
     cache, pol = NgramCache(), make_policy(policy)
     outputs, steps, accepted = [], 0, 0
@@ -154,7 +154,7 @@ def test_simulator_replaying_the_engine_trace_predicts_its_accept_length(decoder
 
 def test_calibrate_writes_a_profile_the_simulator_accepts(model_and_tokenizer, tmp_path):
     from ngramspec.engine import calibrate
-    from ngramspec.profiles import TableProfile
+    from ngramspec.sim.profiles import TableProfile
 
     out = tmp_path / "cpu.json"
     assert calibrate.main(["-o", str(out), "--device", "cpu", "--batches", "1,2", "--widths", "1,2,4",

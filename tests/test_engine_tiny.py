@@ -13,9 +13,10 @@ transformers = pytest.importorskip("transformers")
 from engine_oracle import OracleCache  # noqa: E402
 
 from ngramspec import NgramCache  # noqa: E402
-from ngramspec.engine.decode import FixedPolicy, SpecDecoder, greedy_walk, tree_rows  # noqa: E402
+from ngramspec.engine.decode import FixedPolicy, SpecDecoder  # noqa: E402
 from ngramspec.engine.model import KVModel  # noqa: E402
 from ngramspec.engine.policy import make_policy  # noqa: E402
+from ngramspec.layout import greedy_walk, tree_rows  # noqa: E402
 
 VOCAB = 256
 
@@ -139,13 +140,13 @@ def test_bad_input_raises(tiny_model, prompts):
 def test_adaptive_policy_takes_a_calibration_prior():
     from pathlib import Path
 
-    from ngramspec.profiles import TableProfile
+    from ngramspec.sim.profiles import TableProfile
 
     path = Path(__file__).resolve().parents[1] / "docs" / "engine" / "h200_smollm2_sdpa.json"
     policy = make_policy(f"adaptive:max_width=8,prior={path}")
     assert policy.max_width == 8
     expected = TableProfile.from_json(str(path), "graph_ms").cost_ms(4, 6)
-    assert policy.controller.costs.estimate(4, 6) == pytest.approx(expected)
+    assert policy.costs.estimate(4, 6) == pytest.approx(expected)
     for bad in ("adaptive:explore_every=5", "adaptive:max_width=x"):
         with pytest.raises(ValueError):
             make_policy(bad)

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ngramspec.methods import EMPTY_DRAFT, METHODS, Method, make_method, register_method
-from ngramspec.methods.sglang_ngram import split_sglang_drafts
-from ngramspec.simulate import replay
-from ngramspec.traces import make_trace
+from ngramspec.sim.methods import EMPTY_DRAFT, METHODS, Method, make_method, register_method
+from ngramspec.sim.methods.sglang_ngram import split_sglang_drafts
+from ngramspec.sim.simulate import replay
+from ngramspec.sim.traces import make_trace
 
 
 def reference_prompt_lookup(tokens, k, min_n, max_n):
@@ -92,7 +92,7 @@ def test_ngramspec_tree_accepts_a_second_branch_where_the_chain_misses():
 
 def test_oracle_controller_only_drafts_what_is_accepted():
     pytest.importorskip("ngramspec.cache")
-    from ngramspec.profiles import SEED_PCIE8
+    from ngramspec.sim.profiles import SEED_PCIE8
 
     rng = np.random.default_rng(5)
     phrases = [rng.integers(0, 30, size=6).tolist() for _ in range(5)]

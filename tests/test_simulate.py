@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from ngramspec import simulate
 from ngramspec.layout import accepted_length
-from ngramspec.methods import EMPTY_DRAFT, Method, chain, make_method
-from ngramspec.profiles import SEED_PCIE8, LinearProfile, TableProfile, get_profile
-from ngramspec.simulate import replay, run_all, summarize
-from ngramspec.traces import data_dir, load_trace, make_trace
+from ngramspec.sim import simulate
+from ngramspec.sim.methods import EMPTY_DRAFT, Method, chain, make_method
+from ngramspec.sim.profiles import SEED_PCIE8, LinearProfile, TableProfile, get_profile
+from ngramspec.sim.simulate import replay, run_all, summarize
+from ngramspec.sim.traces import data_dir, load_trace, make_trace
 
 A = list(range(100, 120))  # 20 distinct tokens
 

@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from ngramspec.methods import make_method
-from ngramspec.profiles import get_profile
-from ngramspec.simulate import replay, summarize
-from ngramspec.traces import load_trace, shared_dir
+from ngramspec.sim.methods import make_method
+from ngramspec.sim.profiles import get_profile
+from ngramspec.sim.simulate import replay, summarize
+from ngramspec.sim.traces import data_dir, load_trace
 
 TRACE = "agent_swe_gpt4_dev"
 
@@ -37,7 +37,7 @@ def anchor_spec(label: str):
 
 def anchor_rows(trace: str) -> list[dict]:
     """The ANCHORS.md table rows of `trace`."""
-    root = shared_dir()
+    root = data_dir()
     path = root / "ANCHORS.md" if root else None
     if path is None or not path.is_file():
         return []
@@ -60,7 +60,7 @@ def test_anchor_is_reproduced(anchor):
     spec, package = anchor_spec(anchor["label"])
     if package and importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} is not installed")
-    trace = load_trace(shared_dir() / "traces" / f"{TRACE}.jsonl.gz")
+    trace = load_trace(data_dir() / "traces" / f"{TRACE}.jsonl.gz")
     run = replay(trace, make_method(spec))
     baseline = replay(trace, make_method("none"))
     row = summarize(run, get_profile("seed-pcie8"), baseline)

@@ -8,10 +8,11 @@ import sys
 import numpy as np
 import pytest
 
-from ngramspec import cli, simulate
-from ngramspec.profiles import BUILTIN_PROFILES, builtin_profile_info, get_profile
+from ngramspec import cli
+from ngramspec.sim import simulate
+from ngramspec.sim.profiles import BUILTIN_PROFILES, builtin_profile_info, get_profile
+from ngramspec.sim.traces import data_dir, load_trace
 from ngramspec.text import TiktokenTokenizer, load_tokenizer, text_record, tokenize_record
-from ngramspec.traces import data_dir, load_trace
 
 WORDS = ["<unk>", "hello", "world", "the", "cat", "sat", "on", "mat", "user", "assistant", ":", "a", "dog"]
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ngramspec.controller import DEFAULT_WIDTHS as _WIDTHS
+from ngramspec.controller import DEFAULT_WIDTHS
 
 DEFAULT_BATCHES = "1,4,8,16"
-DEFAULT_WIDTHS = ",".join(str(w) for w in _WIDTHS)  # the controller's candidate widths
+WIDTHS_ARG = ",".join(str(w) for w in DEFAULT_WIDTHS)  # the controller's candidate widths
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--batches", default=DEFAULT_BATCHES, help=f"batch sizes (default {DEFAULT_BATCHES})")
-    parser.add_argument("--widths", default=DEFAULT_WIDTHS, help=f"verify widths k (default {DEFAULT_WIDTHS})")
+    parser.add_argument("--widths", default=WIDTHS_ARG, help=f"verify widths k (default {WIDTHS_ARG})")
     parser.add_argument("--context", type=int, default=1024, help="tokens already in each KV cache (L)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per point (median)")
     parser.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph timings")

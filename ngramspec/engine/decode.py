@@ -9,68 +9,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
+
+from ngramspec.controller import Controller, FixedBudgetController
+from ngramspec.layout import greedy_walk, tree_rows
 
 from .model import KVModel
 
 PREFILL_CHUNK = 512
 
 
-class DraftPolicy(Protocol):
-    """How much to draft and verify each step. The seam for `ngramspec.controller.AdaptiveController`."""
-
-    tree: bool
-
-    def budgets(self, n_requests: int) -> int:
-        """Node budget per request passed to `NgramCache.propose`."""
-
-    def start(self, rid) -> None: ...
-
-    def finish(self, rid) -> None: ...
-
-    def choose(self, rids, batch) -> tuple[int, np.ndarray]:
-        """(verify width n incl. the root, nodes kept per request) for a `DraftBatch`; kept[i] <= n - 1."""
-
-    def observe_tokens(self, rid, committed: list[int]) -> None:
-        """Tokens the model committed for `rid` this step (accepted draft tokens + bonus)."""
-
-    def observe_step(self, batch_size: int, width: int, duration_ms: float) -> None:
-        """Measured wall time of a step of `batch_size` requests verified at `width`."""
-
-
-class FixedPolicy:
+class FixedPolicy(FixedBudgetController):
     """Draft up to `k` nodes (chain or tree), verify all of them; width = 1 + longest draft in the batch."""
 
     def __init__(self, k: int, tree: bool):
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-            raise ValueError(f"k must be an int >= 1, got {k!r}")
-        self.k, self.tree = int(k), bool(tree)
+        super().__init__(k)
+        self.tree = bool(tree)
 
     @property
     def name(self) -> str:
         return f"{'tree' if self.tree else 'chain'}:k={self.k}"
-
-    def budgets(self, n_requests: int) -> int:
-        return self.k
-
-    def start(self, rid) -> None:
-        pass
-
-    def finish(self, rid) -> None:
-        pass
-
-    def choose(self, rids, batch) -> tuple[int, np.ndarray]:
-        kept = np.minimum(np.diff(np.asarray(batch.offsets)), self.k)
-        return 1 + int(kept.max(initial=0)), kept
-
-    def observe_tokens(self, rid, committed) -> None:
-        pass
-
-    def observe_step(self, batch_size, width, duration_ms) -> None:
-        pass
 
 
 @dataclass
@@ -125,46 +86,6 @@ class Verifier:
         return self.kv.forward(tokens, positions, slots, mask, rows=slice(0, tokens.shape[0]))
 
 
-def tree_rows(tokens: np.ndarray, parents: np.ndarray, root: int, width: int):
-    """Rows of one request's verify block: (tokens [width], parent rows [width], depths [width], ancestor mask
-    [width, width]). Row 0 is the root; draft node j is row j+1; unused rows are padding under the root."""
-    count = len(tokens)
-    if count > width - 1:
-        raise ValueError(f"draft of {count} nodes does not fit width {width}")
-    row_tokens = np.zeros(width, np.int64)
-    row_parent = np.zeros(width, np.int64)
-    depth = np.ones(width, np.int64)
-    anc = np.zeros((width, width), bool)
-    anc[:, 0] = True
-    anc[np.arange(width), np.arange(width)] = True
-    row_tokens[0], row_parent[0], depth[0] = root, -1, 0
-    for j in range(count):
-        p = int(parents[j]) + 1
-        if not 0 <= p <= j:
-            raise ValueError(f"draft node {j} has parent {parents[j]}: parents must precede children")
-        r = j + 1
-        row_tokens[r], row_parent[r], depth[r] = tokens[j], p, depth[p] + 1
-        anc[r] = anc[p]
-        anc[r, r] = True
-    return row_tokens, row_parent, depth, anc
-
-
-def greedy_walk(row_tokens: np.ndarray, row_parent: np.ndarray, count: int, predicted: np.ndarray) -> list[int]:
-    """Rows accepted by greedy verification: from the root, follow the child whose token the model predicted."""
-    path, r = [], 0
-    while True:
-        want = predicted[r]
-        nxt = -1
-        for c in range(1, count + 1):
-            if row_parent[c] == r and row_tokens[c] == want:
-                nxt = c
-                break
-        if nxt < 0:
-            return path
-        path.append(nxt)
-        r = nxt
-
-
 class SpecDecoder:
     """Greedy decoding of a batch of prompts, with optional n-gram speculation.
 
@@ -189,14 +110,16 @@ class SpecDecoder:
             self.kv.forward(chunk, pos, pos, mask, rows=slice(row, row + 1))
 
     # -- decode ---------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, policy: DraftPolicy | None = None,
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, policy: Controller | None = None,
                  cache=None, rids: Sequence | None = None, eos_token_id: int | None = None,
                  share: bool = True, progress=None) -> GenerationResult:
         """Decode greedily up to `max_new_tokens` per prompt (fewer if `eos_token_id` is emitted).
 
-        With `policy` (and `cache`, an `NgramCache`), drafts are verified each step; outputs are identical to
-        plain greedy decoding up to floating-point ties. `rids` name the requests in the cache (default 0..B-1);
-        `share` is passed to `finish_request`. `progress` (a tqdm bar or None) is advanced by committed tokens.
+        With `policy` (a `ngramspec.controller.Controller`, e.g. `FixedPolicy` or `AdaptivePolicy`; its `tree`
+        attribute, if any, picks tree or chain drafts) and `cache` (an `NgramCache`), drafts are verified each
+        step; outputs are identical to plain greedy decoding up to floating-point ties. `rids` name the requests
+        in the cache (default 0..B-1); `share` is passed to `finish_request`. `progress` (a tqdm bar or None) is
+        advanced by committed tokens.
         """
         B = len(prompts)
         if not 1 <= B <= self.kv.batch:
@@ -215,7 +138,7 @@ class SpecDecoder:
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise ValueError(f"prompt token outside [0, {vocab})")
         longest = max(len(p) for p in prompts)
-        max_width = 1 + (policy.budgets(B) if policy is not None else 0)
+        max_width = policy.max_width if policy is not None else 1
         if longest + max_new_tokens + max_width > self.kv.max_len:
             raise ValueError(f"prompt {longest} + {max_new_tokens} new + width {max_width} exceeds the KV cache "
                              f"({self.kv.max_len} slots)")
@@ -252,9 +175,9 @@ class SpecDecoder:
             width = 1
             if policy is not None:
                 act_rids = [rids[i] for i in act]
-                batch = cache.propose(act_rids, policy.budgets(len(act)), tree=policy.tree)
-                width, kept = policy.choose(act_rids, batch)
-                kept = np.asarray(kept, np.int64)
+                batch = cache.propose(act_rids, max(1, policy.max_width - 1), tree=getattr(policy, "tree", True))
+                plan = policy.plan(act_rids, batch, waiting=0)  # a fixed set of prompts: none queue
+                width, kept = int(plan.width), np.asarray(plan.lengths, np.int64)
                 if width < 1 or len(kept) != len(act) or (kept > width - 1).any() or (kept < 0).any():
                     raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {len(act)} requests")
                 for j, i in enumerate(act):

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     items = [("yours", p) for p in args.prompt] if args.prompt else demo_prompts()
     prompts = [chat_tokens(tokenizer, text) for _, text in items]
     policy = make_policy(spec)
-    max_width = 1 + (policy.budgets(1) if policy else 0)
+    max_width = policy.max_width if policy else 1
     kv = KVModel(model, batch=1, max_len=max(map(len, prompts)) + args.max_new_tokens + max_width + 1)
     decoder = SpecDecoder(kv)
     eos = tokenizer.eos_token_id

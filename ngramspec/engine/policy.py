@@ -2,43 +2,20 @@
 (the controller: NGRAM_ADAPTIVE)."""
 from __future__ import annotations
 
-import numpy as np
+from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
 
 from .decode import FixedPolicy
 
 
-class AdaptivePolicy:
-    """`ngramspec.controller.AdaptiveController` behind the engine's `DraftPolicy` seam (NGRAM_ADAPTIVE)."""
+class AdaptivePolicy(AdaptiveController):
+    """`ngramspec.controller.AdaptiveController` over the default widths up to `max_width`, tree drafts
+    (NGRAM_ADAPTIVE)."""
 
     tree = True
     name = "adaptive"
 
     def __init__(self, max_width: int = 16, **controller_kwargs):
-        from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
-
-        widths = [w for w in DEFAULT_WIDTHS if w <= max_width]
-        self.controller = AdaptiveController(widths, **controller_kwargs)
-        self.max_width = self.controller.max_width
-        self.plans = []
-
-    def budgets(self, n_requests: int) -> int:
-        return self.max_width - 1
-
-    def start(self, rid) -> None:
-        self.controller.start(rid)
-
-    def finish(self, rid) -> None:
-        self.controller.finish(rid)
-
-    def choose(self, rids, batch) -> tuple[int, np.ndarray]:
-        plan = self.controller.plan(rids, batch, waiting=0)  # the engine runs a fixed set of prompts: none queue
-        return int(plan.width), np.asarray(plan.lengths, np.int64)
-
-    def observe_tokens(self, rid, committed) -> None:
-        self.controller.observe_tokens(rid, committed)
-
-    def observe_step(self, batch_size, width, duration_ms) -> None:
-        self.controller.observe_step(batch_size, width, duration_ms)
+        super().__init__([w for w in DEFAULT_WIDTHS if w <= max_width], **controller_kwargs)
 
 
 def make_policy(spec: str):

@@ -305,10 +305,10 @@ def test_warm_up_leaves_the_planner_as_it_was():
     p = planner()
     p.plan([RequestView("a", [1, 2, 3, 1, 2, 3], [])])
     p.record_duration(2, 1, 0.01)
-    before = (p.tracked_requests, p.cache.stats(), p.controller.trials.copy(), p.controller.costs.clock,
+    before = (p.tracked_requests, p.cache.stats(), p.controller.calibration.trials.copy(), p.controller.costs.clock,
               p.stats.summary(), p._steps, list(p._local_durations), dict(p._fed))
     p.warm_up()
-    after = (p.tracked_requests, p.cache.stats(), p.controller.trials.copy(), p.controller.costs.clock,
+    after = (p.tracked_requests, p.cache.stats(), p.controller.calibration.trials.copy(), p.controller.costs.clock,
              p.stats.summary(), p._steps, list(p._local_durations), dict(p._fed))
     assert before[0] == after[0] and before[1] == after[1] and np.array_equal(before[2], after[2])
     assert before[3:] == after[3:]
@@ -344,3 +344,18 @@ print(t1 - t0, t2 - t1)
     assert out.returncode == 0, out.stderr
     first, second = map(float, out.stdout.split())
     assert first < 0.05 and second < 0.05, (first, second)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 9])
+def test_the_plugins_fixed_width_controller_plans_as_the_core_one(width):
+    """drafting.py keeps its own FixedWidthController for now; it must plan exactly as the core's."""
+    from ngramspec.controller import FixedWidthController as CoreFixedWidth
+
+    cache = NgramCache(max_depth=8)
+    for rid, prompt in (("a", [1, 2, 3, 1, 2, 3, 1, 2]), ("b", [5, 6]), ("c", [7, 8, 7, 8, 7])):
+        cache.start_request(rid, prompt)
+    batch = cache.propose(["a", "b", "c"], 6)
+    ours, core = FixedWidthController(width).plan(["a", "b", "c"], batch), CoreFixedWidth(width).plan(
+        ["a", "b", "c"], batch)
+    assert (ours.width, ours.lengths.tolist(), ours.expected, ours.cost, ours.reason) == \
+        (core.width, core.lengths.tolist(), core.expected, core.cost, core.reason)

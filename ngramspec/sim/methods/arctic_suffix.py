@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ngramspec.methods import Method, flag, positive_int, register_method
+from ngramspec.sim.methods import Method, flag, positive_int, register_method
 
 
 class ArcticSuffix(Method):

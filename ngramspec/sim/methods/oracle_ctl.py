@@ -9,8 +9,8 @@ It is the best any controller can do with these drafts; the perfect drafter `ora
 from __future__ import annotations
 
 from ngramspec.layout import accepted_length
-from ngramspec.methods import EMPTY_DRAFT, chain, flag, register_method
-from ngramspec.methods.ngramspec_static import NgramspecStatic
+from ngramspec.sim.methods import EMPTY_DRAFT, Method, chain, flag, register_method
+from ngramspec.sim.methods.ngramspec_static import NgramspecStatic
 
 
 class OracleController(NgramspecStatic):
@@ -44,6 +44,8 @@ class OracleController(NgramspecStatic):
                 best_width, best_rate = width, rate
         return [chain(self._future[rid][self._pos[rid]: self._pos[rid] + min(a, best_width - 1)])
                 if best_width > 1 and a else EMPTY_DRAFT for rid, a in zip(rids, accepted)]
+
+    verify_width = Method.verify_width  # its own drafts' width, not the fixed budget's
 
     def update(self, rid, committed, n_accepted):
         super().update(rid, committed, n_accepted)

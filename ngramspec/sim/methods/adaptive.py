@@ -9,7 +9,7 @@ import numpy as np
 
 from ngramspec.cache import NgramCache
 from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
-from ngramspec.methods import Method, register_method
+from ngramspec.sim.methods import Method, register_method
 
 _EMPTY = np.zeros(0, np.int32)
 
@@ -32,7 +32,7 @@ class AdaptiveMethod(Method):
         if prior == "default":
             prior_fn = None
         elif prior in ("seed-pcie8", "h200-llama8b") or prior.endswith(".json"):
-            from ngramspec.profiles import get_profile
+            from ngramspec.sim.profiles import get_profile
             prior_fn = get_profile(prior).cost_ms  # a deliberately *assumed* cost, e.g. a wrong one
         else:
             raise ValueError(f"prior must be 'default', a profile name or a .json file, got {prior!r}")

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ngramspec.methods import Method, positive_int, register_method
+from ngramspec.layout import mask_parents
+from ngramspec.sim.methods import Method, positive_int, register_method
 
 
 def _import_corpus():
@@ -30,10 +31,7 @@ def _import_corpus():
 def split_sglang_drafts(ids: np.ndarray, mask: np.ndarray, batch: int, width: int):
     """SGLang's flat (tokens [B*D], mask [B*D*D]) -> per request (tokens, parents) without root and padding."""
     ids = ids.reshape(batch, width)
-    mask = mask.reshape(batch, width, width).astype(bool)
-    order = np.arange(width)
-    ancestors = mask & (order[None, :] < order[:, None])  # strict ancestors of each row
-    parent_row = (ancestors * order).argmax(-1)  # deepest ancestor; 0 (the root) when none
+    parent_row = np.maximum(mask_parents(mask.reshape(batch, width, width)), 0)  # deepest ancestor; 0 when none
     drafts = []
     for b in range(batch):
         n = width

@@ -18,7 +18,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-import numpy as np
+from ngramspec.controller.cost import CostTable, check_shape, read_json
 
 
 class CostProfile:
@@ -35,11 +35,6 @@ class CostProfile:
         return f"<{type(self).__name__} {self.name}>"
 
 
-def _check_shape(batch: int, width: int) -> None:
-    if batch < 1 or width < 1:
-        raise ValueError(f"batch and width must be >= 1, got batch={batch} width={width}")
-
-
 class LinearProfile(CostProfile):
     """Decode costs `decode_ms`; a verify of width n > 1 costs `verify_base_ms + verify_per_token_ms * n`."""
 
@@ -52,77 +47,15 @@ class LinearProfile(CostProfile):
         self.verify_per_token_ms = verify_per_token_ms
 
     def cost_ms(self, batch: int, width: int) -> float:
-        _check_shape(batch, width)
+        check_shape(batch, width)
         if width == 1:
             return self.decode_ms
         return self.verify_base_ms + self.verify_per_token_ms * width
 
 
-def _interp(x: float, grid: np.ndarray, values: np.ndarray) -> float:
-    """Piecewise-linear interpolation along the last axis; linear extrapolation past either end."""
-    if len(grid) == 1:
-        return float(values[..., 0])
-    i = int(np.clip(np.searchsorted(grid, x) - 1, 0, len(grid) - 2))
-    t = (x - grid[i]) / (grid[i + 1] - grid[i])
-    return float(values[..., i] * (1 - t) + values[..., i + 1] * t)
-
-
-class TableProfile(CostProfile):
-    """Measured step times on a (batch x width) grid, interpolated piecewise-linearly in both."""
-
-    def __init__(self, name: str, batches, widths, ms):
-        self.name = name
-        self.batches = np.asarray(batches, dtype=np.float64)
-        self.widths = np.asarray(widths, dtype=np.float64)
-        self.ms = np.asarray(ms, dtype=np.float64)
-        if self.ms.shape != (len(self.batches), len(self.widths)):
-            raise ValueError(f"{name}: cost table shape {self.ms.shape} does not match the grid")
-        if not (np.all(np.diff(self.batches) > 0) and np.all(np.diff(self.widths) > 0)):
-            raise ValueError(f"{name}: batch and width grids must be strictly increasing")
-        if self.widths[0] != 1:
-            raise ValueError(f"{name}: the table needs width 1 (plain decode)")
-        if not np.all(self.ms > 0):
-            raise ValueError(f"{name}: step times must be positive")
-        self._cache: dict[tuple[int, int], float] = {}
-
-    def cost_ms(self, batch: int, width: int) -> float:
-        key = (batch, width)
-        hit = self._cache.get(key)
-        if hit is None:
-            _check_shape(batch, width)
-            by_batch = np.array([_interp(width, self.widths, row) for row in self.ms])
-            hit = max(_interp(batch, self.batches, by_batch), 1e-6)
-            self._cache[key] = hit
-        return hit
-
-    @classmethod
-    def from_json(cls, path: str | Path, column: str | None = None, name: str | None = None) -> "TableProfile":
-        path = Path(path)
-        return cls.from_data(_read_json(path), column, name=name or path.stem, source=str(path))
-
-    @classmethod
-    def from_data(cls, data, column: str | None, name: str, source: str) -> "TableProfile":
-        """From a calibration object; `column` None reads `graph_ms`, or `eager_ms` where no row has `graph_ms`."""
-        rows = data.get("rows") if isinstance(data, dict) else None
-        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
-            raise ValueError(f"{source}: expected an object with a non-empty 'rows' list")
-        chain_rows = [r for r in rows if r.get("kind", "chain") == "chain"]
-        if column is None:
-            column = "graph_ms" if any(r.get("graph_ms") is not None for r in chain_rows) else "eager_ms"
-        table: dict[tuple[int, int], float] = {}
-        for i, row in enumerate(rows):
-            if not all(row.get(key) is not None for key in ("B", "k", column)):
-                raise ValueError(f"{source}: row {i} needs 'B', 'k' and '{column}'")
-            if row.get("kind", "chain") != "chain":
-                continue
-            table[(int(row["B"]), int(row["k"]))] = float(row[column])
-        batches = sorted({b for b, _ in table})
-        widths = sorted({k for _, k in table})
-        missing = [(b, k) for b in batches for k in widths if (b, k) not in table]
-        if missing:
-            raise ValueError(f"{source}: the (B, k) grid is incomplete, missing {missing[:5]}")
-        ms = [[table[(b, k)] for k in widths] for b in batches]
-        return cls(name, batches, widths, ms)
+class TableProfile(CostTable, CostProfile):
+    """Measured step times on a (batch x width) grid, interpolated piecewise-linearly in both (the controller's
+    ``CostTable``, as a profile)."""
 
 
 def _profile_from_data(data: dict, name: str, source: str, column: str | None = None) -> CostProfile:
@@ -160,17 +93,7 @@ def _builtin(name: str) -> CostProfile:
 def load_profile_file(path: str | Path, column: str | None = None) -> CostProfile:
     """A profile from a JSON file: a calibration table (`rows`) or a linear model (`linear`)."""
     path = Path(path)
-    return _profile_from_data(_read_json(path), path.stem, str(path), column)
-
-
-def _read_json(path: Path) -> dict:
-    """A profile file's JSON, with a clear error for a missing file or bad JSON."""
-    if not path.is_file():
-        raise FileNotFoundError(f"profile file not found: {path}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
+    return _profile_from_data(read_json(path), path.stem, str(path), column)
 
 
 def get_profile(spec: str) -> CostProfile:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ngramspec.methods import EMPTY_DRAFT, Method, chain, positive_int, register_method
+from ngramspec.sim.methods import EMPTY_DRAFT, Method, chain, positive_int, register_method
 
 
 class NoDraft(Method):

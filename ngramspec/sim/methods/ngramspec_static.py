@@ -1,11 +1,12 @@
 """`ngramspec-chain` and `ngramspec-tree`: our `NgramCache` with a fixed draft budget `k` every step.
 
 Parameters: `k` (draft nodes per request, 8), `depth` (the cache's max_depth; its default when omitted).
-Width = 1 + draft length (no padding).
+The controller is `ngramspec.controller.FixedBudgetController`: width = 1 + the longest draft (no padding).
 """
 from __future__ import annotations
 
-from ngramspec.methods import Method, positive_int, register_method
+from ngramspec.controller import FixedBudgetController
+from ngramspec.sim.methods import Method, positive_int, register_method
 
 
 def make_cache(depth=None):
@@ -19,6 +20,8 @@ class NgramspecStatic(Method):
         self.k = positive_int(k, "ngramspec k")
         self.tree = tree
         self.cache = make_cache(depth)
+        self.ctl = FixedBudgetController(self.k)
+        self._width = 1
 
     def warmup(self):
         from ngramspec.cache import warm_up
@@ -27,17 +30,26 @@ class NgramspecStatic(Method):
 
     def start(self, rid, prompt):
         self.cache.start_request(rid, prompt)
+        self.ctl.start(rid)
 
     def propose(self, rids):
         batch = self.cache.propose(rids, self.k, tree=self.tree)
-        offsets, tokens, parents = batch.offsets, batch.tokens, batch.parents
-        return [(tokens[offsets[i]:offsets[i + 1]], parents[offsets[i]:offsets[i + 1]]) for i in range(len(rids))]
+        plan = self.ctl.plan(rids, batch)
+        self._width = plan.width
+        offsets, tokens, parents, lengths = batch.offsets, batch.tokens, batch.parents, plan.lengths
+        return [(tokens[offsets[i]:offsets[i] + lengths[i]], parents[offsets[i]:offsets[i] + lengths[i]])
+                for i in range(len(rids))]
+
+    def verify_width(self, rids, drafts):
+        return self._width
 
     def update(self, rid, committed, n_accepted):
         self.cache.add_tokens(rid, committed)
+        self.ctl.observe_tokens(rid, committed)
 
     def finish(self, rid):
         self.cache.finish_request(rid, share=True)
+        self.ctl.finish(rid)
 
 
 def _chain(k: int = 8, depth: int | None = None) -> NgramspecStatic:

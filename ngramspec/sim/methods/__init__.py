@@ -28,6 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from ngramspec.controller.protocol import check_positive as positive_int  # noqa: F401 (for the methods)
+
 EMPTY = np.zeros(0, dtype=np.int32)
 CHAIN_PARENTS = np.arange(-1, 4095, dtype=np.int32)
 EMPTY_DRAFT = (EMPTY, EMPTY)
@@ -91,7 +93,7 @@ def _load_builtins() -> None:
         return
     _loaded = True
     for module in _BUILTIN_MODULES:
-        importlib.import_module(f"ngramspec.methods.{module}")
+        importlib.import_module(f"ngramspec.sim.methods.{module}")
 
 
 def available_methods() -> list[str]:
@@ -155,12 +157,6 @@ def make_method(spec: str) -> Method:
     method = factory(**params)
     method.name = spec.strip()
     return method
-
-
-def positive_int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def flag(value, what: str) -> bool:

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ngramspec.controller import DEFAULT_WIDTHS
 from ngramspec.layout import accepted_length
-from ngramspec.methods import Method, make_method
-from ngramspec.profiles import CostProfile, get_profile
-from ngramspec.traces import Trace, load_trace
+from ngramspec.sim.methods import Method, make_method
+from ngramspec.sim.profiles import CostProfile, get_profile
+from ngramspec.sim.traces import Trace, load_trace
 
 BASELINE = "none"
 
@@ -421,7 +422,7 @@ ANSWER_BOUNDS = [
     ("oracle controller", "oracle-ctl:k=15"),
     ("perfect drafter", "oracle:k=15"),
 ]
-PLUGIN_WIDTHS = (2, 3, 4, 6, 8, 12, 16)  # the plugin's candidate widths (--speculative-num-draft-tokens)
+PLUGIN_WIDTHS = tuple(w for w in DEFAULT_WIDTHS if w > 1)  # the plugin's --speculative-num-draft-tokens choices
 WORTH_IT = 1.05  # speedup below which the answer says to leave speculation off
 
 
@@ -505,8 +506,8 @@ def _setting(index, trace, profile, batch, adaptive, real, bound, labels) -> str
 
 
 def _method_help() -> str:
-    from ngramspec.methods import describe_methods
-    from ngramspec.profiles import BUILTIN_PROFILES
+    from ngramspec.sim.methods import describe_methods
+    from ngramspec.sim.profiles import BUILTIN_PROFILES
 
     return ("methods (--method NAME:key=value,...; parameters and their defaults):\n" + describe_methods() +
             "\n\nprofiles (--profile): " + ", ".join(BUILTIN_PROFILES) +
@@ -557,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="measured: add each step's measured host time to its cost (reports both speedups)")
     args = parser.parse_args(argv)
     batches = args.batch or [1]
-    from ngramspec.profiles import BUILTIN_PROFILES
+    from ngramspec.sim.profiles import BUILTIN_PROFILES
 
     profiles = args.profile or list(BUILTIN_PROFILES)
     notes: list[str] = []

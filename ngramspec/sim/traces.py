@@ -128,9 +128,6 @@ def data_dir() -> Path | None:
     return path if path is not None and path.is_dir() else None
 
 
-shared_dir = data_dir  # the name the tests and benchmarks use
-
-
 def dev_trace_paths() -> list[Path]:
     """The `*.jsonl.gz` traces in `$NGRAMSPEC_DATA/traces`, sorted by name; empty when unset or absent."""
     root = data_dir()

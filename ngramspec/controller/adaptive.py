@@ -1,0 +1,435 @@
+"""The adaptive controller: each step, draft only what pays.
+
+Each step it picks one verify width ``n`` for the batch (``n == 1``: plain decode, nothing drafted) and gives
+every request the first ``min(n - 1, len)`` nodes of its best-first draft. With requests queued behind the
+batch (or when the server does not say), it maximizes expected goodput, the batch's tokens per unit time
+
+    sum_i (1 + sum_{j < n-1} P_ij)  /  c(B, n)
+
+When nobody waits (``plan(..., waiting=0)``: the batch drains, or a server at low load), it maximizes the
+requests' geometric-mean speed instead, B * (prod_i (1 + sum_j P_ij))^(1/B) / c(B, n): a verify is paid by
+every request in the batch, so one request's long draft must not slow the others down (in a finite replay the
+last, longest requests set the makespan; in a server each request's latency counts). Either way a width must
+beat plain decoding by ``min_gain`` per decode-step of extra time it costs (c(B, n) / c(B, 1) - 1): a wider
+verify risks more time on a wrong estimate.
+
+**P (acceptance)**. The cache gives each node a path probability from counts; the controller turns each node's
+conditional (its probability over its parent's) into a calibrated conditional acceptance, learned online from
+Beta counts at three levels: fine cells (source, match length, raw conditional, depth, drafted siblings, the
+request's recent success rate) shrink towards (source, match length, raw conditional, depth, siblings), which
+shrink towards (source, raw conditional, depth, siblings), which shrink towards a fixed pessimistic prior
+(``prior_scale`` x the raw conditional); ``prior_strength`` pseudo-trials at each level. P is the product of the
+calibrated conditionals along the path. Every proposed draft is *shadow-evaluated* against the tokens the
+model then really commits, whether or not it was sent, and every one of them, not only one at a time (a draft
+not sent is decided over the next steps while newer drafts arrive; judging one at a time would under-sample
+the drafts proposed during a good streak): a request that stopped drafting keeps producing evidence at no
+cost, so it recovers after a dry spell without paid probes, and a request that starts copying earns long
+drafts within a few steps.
+
+**c(B, n) (cost)**. Learned from the step durations the server (or simulator) reports: a moving average per
+(batch size, width) whose updates are clipped to a factor ``clip`` of the current estimate (a GC pause or a
+one-off stall moves it by a bounded share, not by 60x); an unmeasured batch size borrows the nearest measured
+one of the same width. Unmeasured widths are interpolated between measured widths, extrapolated along the
+measured slope, or (with one measured width) taken from a prior's shape (a calibration file, or a conservative
+default) scaled by what was measured; and a few are tried, in a small bounded share of steps, so a wrong prior
+is corrected. A width whose measurement near this batch size is older than ``stale_after`` reported steps, is
+more than 1.5x what the other widths imply for it, and would win at that, is re-measured (at most once per
+``stale_after`` steps; its stale average is then replaced, not clipped): a width once measured during a stall
+is not banned for good. The controller is never told the true profile.
+
+**Host cost**. All per-step work runs in numba kernels over flat arrays, passed as bundles (named tuples of
+arrays: ``calibration.Calibration``, ``calibration.Pending``, ``cost.CostState``, ``cost.CostRow``, ``Scratch``):
+the calibration cells, the shadow evaluation of every pending draft (kept per request in preallocated pools
+grown on demand), the cost model and the width choice. ``plan`` is one kernel call for the batch and
+``observe_batch`` one for the whole batch's committed tokens; ``step`` does a server's whole step (commit tokens
+to cache and controller, propose, plan) in four kernel calls. ``ngramspec.cache.warm_up()`` compiles them all.
+
+**Determinism and tensor parallelism**. Decisions depend only on tokens (drafts, committed tokens), on the
+durations passed to ``observe_step`` and on the queue length passed to ``plan``. Tokens and the scheduler's
+queue are identical on every rank; durations are not, so a TP server must measure them on rank 0 and broadcast
+them (the SGLang plugin does), or feed every rank the same value. Given the same inputs the controller takes
+the same decisions.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from itertools import accumulate
+from typing import Hashable, NamedTuple, Sequence
+
+import numpy as np
+from numba import njit
+
+from ngramspec.cache import MAX_TOKEN, DraftBatch, as_tokens
+from ngramspec.controller.calibration import (
+    Calibration,
+    Pending,
+    node_cells,
+    node_values,
+    pend_add,
+    pend_room,
+    shadow_evaluate,
+)
+from ngramspec.controller.cost import CostModel, default_prior, prior_from_calibration
+from ngramspec.controller.protocol import _INT_TYPES, DEFAULT_WIDTHS, Plan, check_waiting, check_widths
+
+_REASONS = ("best", "no-draft", "explore", "re-measure")
+REMEASURE_RATIO = 1.5  # a stale width is re-measured only if its estimate is this far above what the others imply
+
+
+class Scratch(NamedTuple):
+    """Per-step scratch of the width choice, grown on demand."""
+
+    cells: np.ndarray  # [nodes] int64: each draft node's calibration cell
+    P: np.ndarray  # [nodes] float64: each node's calibrated P(accepted)
+    G: np.ndarray  # [requests, widths] float64: expected accepted nodes per request and width
+    values: np.ndarray  # [widths] float64: each width's value (-inf: not considered)
+    expected: np.ndarray  # [widths] float64: expected tokens of the step at each width
+
+
+@njit(cache=True)
+def _choose(parents, probs, sources, offsets, mlens, slots, success, cal, prior_mean, strength, widths, row,
+            draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths):
+    """The width choice for one step (see AdaptiveController.plan). Fills the scratch ``sc`` (cells, P, G,
+    values: -inf for a width not considered, expected) and lengths; returns (width index, reason index)."""
+    B = offsets.shape[0] - 1
+    W = widths.shape[0]
+    costs, measured, stale, implied = row
+    cells, G, values, expected = sc.cells, sc.G, sc.values, sc.expected
+    node_cells(parents, probs, sources, offsets, mlens, slots, success, cells)
+    node_values(parents, offsets, cells, cal, prior_mean, strength, widths, sc.P, G)
+    for w in range(W):
+        acc = 0.0
+        for i in range(B):
+            acc += G[i, w]
+        expected[w] = B + acc
+    any_draft = offsets[B] > 0
+    best = -1
+    best_score = -np.inf
+    plain = costs[0]
+    for w in range(W):
+        values[w] = -np.inf
+        if widths[w] > 1 and not any_draft:
+            continue
+        if draining:  # geometric mean of the requests' rates, as a batch rate
+            lt = 0.0
+            for i in range(B):
+                lt += math.log1p(G[i, w])
+            values[w] = B * math.exp(lt / B) / costs[w]
+        else:
+            values[w] = expected[w] / costs[w]
+        # a wider verify risks more time on a wrong estimate: its value must beat plain decoding by a margin
+        # proportional to its extra cost (min_gain per decode-step of extra time)
+        score = values[w] / (1.0 + min_gain * max(0.0, costs[w] / plain - 1.0))
+        if score > best_score:
+            best_score = score
+            best = w
+    reason = 0 if (widths[best] > 1 or any_draft) else 1
+    if any_draft and may_explore:
+        # try a width not yet measured here only if it would win were it cheaper than estimated (the widest
+        # first: it bounds the interpolation of every width below it)
+        pick = -1
+        for w in range(W):
+            if not measured[w] and expected[w] / (optimism * costs[w]) > values[best]:
+                pick = w
+        if pick >= 0:
+            best = pick
+            reason = 2
+    if any_draft and may_remeasure and reason != 2:
+        # re-measure a width whose measurement is stale and far above what the other widths imply for it, if it
+        # would win at that (one stall must not ban a width for good)
+        pick = -1
+        for w in range(W):
+            if stale[w] and w != best and costs[w] > REMEASURE_RATIO * implied[w] \
+                    and expected[w] / (optimism * implied[w]) > values[best]:
+                pick = w
+        if pick >= 0:
+            best = pick
+            reason = 3
+    cap = widths[best] - 1
+    for i in range(B):
+        n = offsets[i + 1] - offsets[i]
+        lengths[i] = n if n < cap else cap
+    return best, reason
+
+
+@njit(cache=True)
+def _step_kernel(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal, prior_mean,
+                 strength, widths, row, draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths):
+    """The controller's whole step in one call: shadow-evaluate the pending drafts against the tokens committed
+    since the last step (``toks``/``offs``, one slice per request), choose the width for the new drafts, queue
+    them. Returns (width index, reason index, drafts, nodes): if the pending pools lack room it changes nothing
+    and returns (-1, -1, drafts, nodes) they need per request."""
+    need_d, need_n = pend_room(slots, offsets, pend)
+    if need_d > 0 or need_n > 0:
+        return -1, -1, need_d, need_n
+    if offs.shape[0] > 1:
+        shadow_evaluate(slots, toks, offs, pend, alpha, cal)
+    best, reason = _choose(parents, probs, sources, offsets, mlens, slots, pend.success, cal, prior_mean, strength,
+                           widths, row, draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths)
+    pend_add(slots, tokens, parents, offsets, sc.cells, pend)
+    return best, reason, 0, 0
+
+
+class AdaptiveController:
+    """Chooses the batch verify width and each request's draft prefix. See the module docstring.
+
+    Knobs: ``widths`` (the verify widths a server holds CUDA graphs for), ``prior`` (c(B, n) before any
+    measurement: a callable or a calibration file path), ``explore_min`` + ``explore_frac`` x steps (how many
+    steps may try a width not yet measured within a factor of two of the current batch size; only one that
+    would win at ``explore_optimism`` times its estimated cost, the widest first;
+    unmeasured widths between measured ones are interpolated, not explored), ``prior_strength`` (pseudo-trials
+    behind each calibration cell's prior), ``prior_scale`` (per depth bin 1 | 2-3 | 4-7 | 8+: the fixed prior of
+    a cell's conditional acceptance is this times the cache's raw conditional; it only matters until the
+    (conditional, depth) cells have data), ``request_alpha`` (EWMA weight of a request's recent success),
+    ``min_gain`` (a width's expected value must beat plain decoding's by this share per decode-step of extra
+    cost: 0.1 asks a verify costing 2 decodes for 10% more, one costing 1.3 decodes for 3% more),
+    ``cost_clip`` (a step duration moves its average by at most this factor; None: unclipped),
+    ``stale_after`` (reported steps after which a width's measurement may be re-checked, see the module
+    docstring; None: never), ``trace_len`` (decisions kept for debugging).
+    """
+
+    def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
+                 explore_min: int = 1, explore_optimism: float = 0.7,
+                 prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
+                 request_alpha: float = 0.25, min_gain: float = 0.1, cost_clip: float | None = 2.0,
+                 stale_after: int | None = 500, trace_len: int = 1000):
+        widths = check_widths(widths)
+        self.widths = widths
+        self._widths = np.asarray(widths, np.int64)
+        self.max_width = widths[-1]
+        if isinstance(prior, str):
+            prior = prior_from_calibration(prior)
+        self.costs = CostModel(prior or default_prior, widths=widths, clip=cost_clip, stale_after=stale_after)
+        self.stale_after = stale_after
+        self.explore_frac = float(explore_frac)
+        self.explore_min = int(explore_min)
+        self.explore_optimism = float(explore_optimism)
+        self.prior_strength = float(prior_strength)
+        self.prior_scale = np.asarray(prior_scale, np.float64)
+        if self.prior_scale.shape != (4,):
+            raise ValueError("prior_scale needs one factor per depth bin (1, 2-3, 4-7, 8+)")
+        self.request_alpha = float(request_alpha)
+        self.min_gain = float(min_gain)
+        self.calibration = Calibration.empty()  # the acceptance counts (public: inspect, copy, load)
+        q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
+        # per top cell (source, conditional, depth, siblings): prior_scale[depth] x the conditional's midpoint
+        self.prior_mean = np.broadcast_to(q_mid[None, :, None, None] * self.prior_scale[None, None, :, None],
+                                          (2, 6, 4, 4)).reshape(-1).copy()
+        # per-request state in slots: recent success (-1: unknown) and the pool of pending drafts
+        self._slot_of: dict[Hashable, int] = {}
+        self._free: list[int] = []
+        self._pend = Pending.empty()
+        # per-step scratch, grown on demand
+        W = len(widths)
+        self._sc = Scratch(np.zeros(64, np.int64), np.zeros(64), np.zeros((8, W)), np.zeros(W), np.zeros(W))
+        self._tok_buf = np.zeros(256, np.int32)
+        self._off_buf = np.zeros(9, np.int64)
+        self.trace: deque = deque(maxlen=int(trace_len))
+        self._n_steps = 0
+        self._n_explored = 0
+        self._n_remeasured = 0
+        self._step = 0
+
+    # --------------------------------------------------------------------------------------- requests
+    def start(self, rid: Hashable) -> None:
+        if rid in self._slot_of:
+            raise ValueError(f"request {rid!r} is already tracked by the controller")
+        if self._free:
+            s = self._free.pop()
+        else:
+            s = len(self._slot_of)
+            if s >= self._pend.success.shape[0]:
+                self._pend = self._pend.grow_slots(2 * self._pend.success.shape[0])
+        self._slot_of[rid] = s
+        pend = self._pend
+        pend.success[s] = -1.0
+        pend.nd[s] = 0
+        pend.nn[s] = 0
+
+    def finish(self, rid: Hashable) -> None:
+        s = self._slot_of.pop(rid, None)
+        if s is None:
+            raise KeyError(f"unknown request id {rid!r}")
+        self._pend.nd[s] = 0
+        self._pend.nn[s] = 0
+        self._free.append(s)
+
+    def pending(self, rid: Hashable) -> int:
+        """How many of the request's drafts are still being shadow-evaluated."""
+        return int(self._pend.nd[self._slots([rid])[0]])
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._slot_of)
+
+    def _slots(self, rids: Sequence[Hashable]) -> np.ndarray:
+        try:
+            slots = np.fromiter((self._slot_of[r] for r in rids), np.int64, len(rids))
+        except KeyError as e:
+            raise KeyError(f"unknown request id {e.args[0]!r}: call start() first") from None
+        except TypeError as e:
+            raise TypeError(f"request ids must be hashable: {e}") from None
+        if len(slots) > 1 and len(set(slots.tolist())) != len(slots):
+            raise ValueError("a request id appears twice in one batch")
+        return slots
+
+    # --------------------------------------------------------------------------------------- decide
+    def _scratch(self, B: int, n: int) -> None:
+        sc = self._sc
+        if n > sc.cells.shape[0]:
+            m = max(n, 2 * sc.cells.shape[0])
+            sc = sc._replace(cells=np.zeros(m, np.int64), P=np.zeros(m))
+        if B > sc.G.shape[0]:
+            sc = sc._replace(G=np.zeros((max(B, 2 * sc.G.shape[0]), len(self.widths))))
+        self._sc = sc
+
+    @staticmethod
+    def _check_batch(B: int, batch: DraftBatch) -> None:
+        if not isinstance(batch, DraftBatch):
+            raise TypeError(f"batch must be a DraftBatch (from NgramCache.propose), got {type(batch).__name__}")
+        if len(batch) != B:
+            raise ValueError(f"{B} request ids but {len(batch)} drafts")
+
+    def node_values(self, rids: Sequence[Hashable], batch: DraftBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Calibrated P(accepted) of every node of the batch, and each node's calibration cell."""
+        slots = self._slots(rids)
+        self._check_batch(len(slots), batch)
+        n = batch.parents.shape[0]
+        cells, P, G = np.zeros(n, np.int64), np.zeros(n), np.zeros((len(slots), len(self.widths)))
+        node_cells(batch.parents, batch.probs, batch.sources, batch.offsets, batch.match_lens, slots,
+                   self._pend.success, cells)
+        node_values(batch.parents, batch.offsets, cells, self.calibration, self.prior_mean, self.prior_strength,
+                    self._widths, P, G)
+        return P, cells
+
+    def plan(self, rids: Sequence[Hashable], batch: DraftBatch, waiting: int | None = None) -> Plan:
+        """Pick the width and per-request prefixes for this step; records the drafts for calibration.
+
+        ``waiting``: requests queued behind this batch (the scheduler's queue length), or None if unknown.
+        0 switches the objective from the batch's tokens per unit time to the requests' geometric-mean speed
+        (see the module docstring). Nothing changes when it raises."""
+        check_waiting(waiting)
+        slots = self._slots(rids)
+        B = len(slots)
+        self._check_batch(B, batch)
+        if B == 0:  # nothing to decode: a plain step of nobody, not counted
+            return Plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
+        return self._plan(slots, batch, waiting)
+
+    def _plan(self, slots: np.ndarray, batch: DraftBatch, waiting, toks=None, offs=None) -> Plan:
+        """Observe ``toks``/``offs`` (tokens committed per request since the last step; None: none), then plan."""
+        B = len(slots)
+        offsets = batch.offsets
+        n = int(offsets[B])
+        if n > self._sc.cells.shape[0] or B > self._sc.G.shape[0]:
+            self._scratch(B, n)
+        row = self.costs.row(B)
+        self._n_steps += 1
+        may_explore = self._n_explored < self.explore_min + self.explore_frac * self._n_steps
+        # at most one re-measurement per stale_after steps
+        may_remeasure = self.stale_after is not None and self._n_remeasured * self.stale_after < self._n_steps
+        lengths = np.empty(B, np.int64)
+        if toks is None:
+            toks, offs = _NO_TOKENS, _NO_OFFSETS
+        while True:
+            wi, why, need_d, need_n = _step_kernel(
+                slots, toks, offs, batch.parents, batch.probs, batch.sources, batch.tokens, offsets,
+                batch.match_lens, self._pend, self.request_alpha, self.calibration, self.prior_mean,
+                self.prior_strength, self._widths, row, waiting == 0 and B > 1, self.min_gain, may_explore,
+                may_remeasure, self.explore_optimism, self._sc, lengths)
+            if wi >= 0:
+                break
+            self._pend = self._pend.grow_pool(need_d, need_n)  # nothing changed: grow the pools and go again
+        if why == 2:
+            self._n_explored += 1
+        elif why == 3:
+            self._n_remeasured += 1
+        self._step += 1
+        w = self.widths[wi]
+        tokens, cost = float(self._sc.expected[wi]), float(row.costs[wi])
+        self.trace.append((self._step, B, w, why, tokens, cost, self._sc.values.copy()))
+        return Plan(w, lengths, tokens, cost, _REASONS[why])
+
+    def decisions(self) -> list[dict]:
+        """The recent decisions (the last ``trace_len``), readable: why each step got its width."""
+        return [{"step": st, "batch": B, "width": w, "reason": _REASONS[why], "expected_tokens": round(tok, 3),
+                 "est_cost": round(cost, 4),
+                 "options": {ww: round(float(v), 4) for ww, v in zip(self.widths, values) if v != -np.inf}}
+                for st, B, w, why, tok, cost, values in self.trace]
+
+    # -------------------------------------------------------------------------------------- observe
+    def observe_tokens(self, rid: Hashable, committed: Sequence[int]) -> None:
+        """The tokens the model committed for ``rid`` this step (accepted draft tokens + bonus)."""
+        slots = self._slots([rid])
+        toks = as_tokens(committed, "committed tokens")
+        self._off_buf[1] = toks.size
+        shadow_evaluate(slots, toks, self._off_buf[:2], self._pend, self.request_alpha, self.calibration)
+
+    def observe_batch(self, rids: Sequence[Hashable], committed: Sequence) -> None:
+        """``observe_tokens`` for a whole batch (``committed[i]`` for ``rids[i]``) in one kernel call.
+        Validates everything before changing anything."""
+        slots = self._slots(rids)
+        if len(committed) != len(slots):
+            raise ValueError(f"{len(slots)} request ids but {len(committed)} token lists")
+        toks, offs = self._flatten(committed, rids)
+        self._observe_flat(slots, toks, offs)
+
+    def _observe_flat(self, slots, toks, offs) -> None:
+        shadow_evaluate(slots, toks, offs, self._pend, self.request_alpha, self.calibration)
+
+    def _flatten(self, committed: Sequence, rids) -> tuple[np.ndarray, np.ndarray]:
+        """Token lists -> validated (flat int32 tokens, int64 offsets), the offsets in a reused buffer."""
+        B = len(committed)
+        if B + 1 > self._off_buf.shape[0]:
+            self._off_buf = np.zeros(max(B + 1, 2 * self._off_buf.shape[0]), np.int64)
+        offs = self._off_buf[: B + 1]
+        if all(type(t) is list for t in committed):  # the common case: lists of Python ints, checked in one pass
+            flat = [x for t in committed for x in t]
+            if all(type(x) in _INT_TYPES for x in flat) and (not flat or (min(flat) >= 0 and max(flat) < MAX_TOKEN)):
+                offs[1:] = list(accumulate([len(t) for t in committed]))
+                return np.array(flat, np.int32), offs
+        elif B and all(type(t) is np.ndarray and t.ndim == 1 and t.dtype.kind in "iu" for t in committed):
+            flat = np.concatenate(committed)  # integer arrays (e.g. slices of a trace): checked in one pass
+            if not flat.size or (int(flat.min()) >= 0 and int(flat.max()) < MAX_TOKEN):
+                offs[1:] = list(accumulate([t.size for t in committed]))
+                return flat.astype(np.int32, copy=False), offs
+        arrays = [as_tokens(t, f"committed tokens of request {rid!r}") for rid, t in zip(rids, committed)]
+        offs[1:] = list(accumulate([a.size for a in arrays]))
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+        return flat, offs
+
+    def observe_step(self, batch: int, width: int, duration_ms: float) -> None:
+        """The measured duration of a step of ``batch`` requests verified at ``width`` (one of ``widths``).
+        ValueError, and nothing changes, for a batch size < 1, an unknown width or a duration that is not a
+        positive finite number."""
+        self.costs.observe(batch, width, duration_ms)
+
+    # ----------------------------------------------------------------------------------- whole step
+    def step(self, cache, rids: Sequence[Hashable], committed: Sequence | None = None, waiting: int | None = None,
+             tree: bool = True) -> tuple[DraftBatch, Plan]:
+        """A server's whole host step for the batch ``rids``: the tokens each request committed since its last
+        step (``committed[i]``, possibly empty; None: none) go to ``cache`` and to the controller, then the
+        cache proposes drafts of up to ``max_width - 1`` nodes and the controller plans the step. Four kernel
+        calls for the whole batch. Validates everything before changing anything. Returns (drafts, plan)."""
+        check_waiting(waiting)
+        slots = self._slots(rids)
+        B = len(slots)
+        cslots = np.array(cache._slots(rids), np.int64)
+        toks = offs = None
+        if committed is not None:
+            if len(committed) != B:
+                raise ValueError(f"{B} request ids but {len(committed)} token lists")
+            toks, offs = self._flatten(committed, rids)
+            if toks.size:
+                cache._append_flat(cslots, toks, offs)
+            else:
+                toks = offs = None
+        batch = cache._propose_slots(cslots, max(1, self.max_width - 1), bool(tree))
+        if B == 0:
+            return batch, Plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
+        return batch, self._plan(slots, batch, waiting, toks, offs)
+
+
+_NO_TOKENS = np.zeros(0, np.int32)
+_NO_OFFSETS = np.zeros(1, np.int64)

@@ -1,0 +1,293 @@
+"""The controller's calibration: P(a draft node is accepted), learned online from Beta counts.
+
+Each node of a draft falls in a fine cell (source, match length, raw conditional, depth, drafted siblings, the
+request's recent success); its conditional acceptance is the cell's Beta mean, shrunk towards its mid cell
+(without the request's success), shrunk towards its top cell (without the match length), shrunk towards a
+fixed prior. Every proposed draft waits in its request's pending pool until the committed tokens decide it
+(shadow evaluation), and every decision counts.
+
+State: the counts (``Calibration``) and the per-request slots with their pending drafts (``Pending``), two
+bundles of flat arrays that the numba kernels take whole. ``AdaptiveController.calibration`` is the public view.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+# calibration table axes
+MBINS = np.array([2, 4, 8], np.int64)  # match length: 1 | 2-3 | 4-7 | 8+
+QBINS = np.array([0.1, 0.25, 0.5, 0.75, 0.999], np.float64)  # raw conditional
+DBINS = np.array([2, 4, 8], np.int64)  # depth: 1 | 2-3 | 4-7 | 8+
+KBINS = np.array([2, 3, 5], np.int64)  # drafted siblings (itself included): 1 | 2 | 3-4 | 5+
+RBINS = 6  # request's recent success: unknown | 5 quantized levels
+SHAPE = (2, 4, 6, 4, 4, RBINS)  # source, match, conditional, depth, siblings, request
+TOP_SHAPE = (2, 6, 4, 4)  # source, conditional, depth, siblings
+_MID_PER_SOURCE = 4 * 6 * 4 * 4  # (match, conditional, depth, siblings) cells of one source
+_TOP_PER_SOURCE = 6 * 4 * 4  # (conditional, depth, siblings) cells of one source
+
+
+class Calibration(NamedTuple):
+    """Acceptance counts (successes, trials) at the three levels: fine cells (``SHAPE``: source, match length,
+    raw conditional, depth, drafted siblings, request's recent success), mid cells (``SHAPE[:5]``) and top cells
+    (``TOP_SHAPE``: source, raw conditional, depth, siblings); flat float64 arrays, C order."""
+
+    succ: np.ndarray
+    trials: np.ndarray
+    mid_succ: np.ndarray
+    mid_trials: np.ndarray
+    top_succ: np.ndarray
+    top_trials: np.ndarray
+
+    @classmethod
+    def empty(cls) -> "Calibration":
+        fine = np.zeros(int(np.prod(SHAPE)), np.float64)
+        mid = np.zeros(int(np.prod(SHAPE[:5])), np.float64)
+        top = np.zeros(2 * _TOP_PER_SOURCE, np.float64)
+        return cls(fine, fine.copy(), mid, mid.copy(), top, top.copy())
+
+    def by_depth(self) -> tuple[np.ndarray, np.ndarray]:
+        """(successes, trials) per depth bin 1 | 2-3 | 4-7 | 8+, over every other axis."""
+        return (self.top_succ.reshape(TOP_SHAPE).sum(axis=(0, 1, 3)),
+                self.top_trials.reshape(TOP_SHAPE).sum(axis=(0, 1, 3)))
+
+    def load(self, other: "Calibration") -> None:
+        """Overwrite these counts with ``other``'s (e.g. to start a controller warm)."""
+        for dst, src in zip(self, other):
+            dst[:] = src
+
+
+class Pending(NamedTuple):
+    """Per-request state in slots (rows): the recent success rate and the pool of drafts still being
+    shadow-evaluated. Draft d of slot s owns nodes ``start[s, d]:start[s, d] + length[s, d]`` of ``tok``, ``par``
+    and ``cell``; ``cur[s, d]`` is its node accepted so far (-1: the root)."""
+
+    success: np.ndarray  # [S] float64: recent success (-1: unknown)
+    nd: np.ndarray  # [S] int64: pending drafts
+    nn: np.ndarray  # [S] int64: their nodes
+    start: np.ndarray  # [S, D] int64
+    length: np.ndarray  # [S, D] int64
+    cur: np.ndarray  # [S, D] int64
+    tok: np.ndarray  # [S, N] int32
+    par: np.ndarray  # [S, N] int32
+    cell: np.ndarray  # [S, N] int64
+
+    @classmethod
+    def empty(cls, slots: int = 8, drafts: int = 4, nodes: int = 64) -> "Pending":
+        S = slots
+        return cls(np.full(S, -1.0), np.zeros(S, np.int64), np.zeros(S, np.int64), np.zeros((S, drafts), np.int64),
+                   np.zeros((S, drafts), np.int64), np.zeros((S, drafts), np.int64), np.zeros((S, nodes), np.int32),
+                   np.zeros((S, nodes), np.int32), np.zeros((S, nodes), np.int64))
+
+    def grow_slots(self, S: int) -> "Pending":
+        def grow(a, fill):
+            new = np.full((S,) + a.shape[1:], fill, a.dtype)
+            new[: a.shape[0]] = a
+            return new
+
+        return Pending(grow(self.success, -1.0), *(grow(a, 0) for a in self[1:]))
+
+    def grow_pool(self, need_d: int, need_n: int) -> "Pending":
+        def widen(a, n):
+            new = np.zeros((a.shape[0], n), a.dtype)
+            new[:, : a.shape[1]] = a
+            return new
+
+        p = self
+        if need_d:
+            n = max(need_d, 2 * p.start.shape[1])
+            p = p._replace(start=widen(p.start, n), length=widen(p.length, n), cur=widen(p.cur, n))
+        if need_n:
+            n = max(need_n, 2 * p.tok.shape[1])
+            p = p._replace(tok=widen(p.tok, n), par=widen(p.par, n), cell=widen(p.cell, n))
+        return p
+
+
+@njit(cache=True)
+def mid_cell(cell):
+    """(source, match, conditional, depth, siblings) cell of a fine cell."""
+    return cell // RBINS
+
+
+@njit(cache=True)
+def top_cell(cell):
+    """(source, conditional, depth, siblings) cell of a fine cell."""
+    mid = cell // RBINS
+    return (mid // _MID_PER_SOURCE) * _TOP_PER_SOURCE + mid % _TOP_PER_SOURCE
+
+
+@njit(cache=True)
+def _rbin(success):
+    """The request's recent-success bin (success < 0: unknown)."""
+    if success < 0:
+        return 0
+    return 1 + min(4, int(success * 5))
+
+
+@njit(cache=True)
+def node_cells(parents, probs, sources, offsets, mlens, slots, success, cells):
+    """Calibration cell (flat index into the fine table) of every node of a flat DraftBatch, into ``cells``."""
+    n = parents.shape[0]
+    depth = np.empty(n, np.int64)
+    siblings = np.zeros(n + 1, np.int64)  # children per parent (index p + 1; 0: the root)
+    for i in range(offsets.shape[0] - 1):
+        a = offsets[i]
+        m = np.searchsorted(MBINS, mlens[i], side="right")
+        rb = _rbin(success[slots[i]])
+        for j in range(a, offsets[i + 1] + 1):
+            siblings[j - a] = 0
+        for j in range(a, offsets[i + 1]):
+            siblings[parents[j] + 1] += 1
+        for j in range(a, offsets[i + 1]):
+            p = parents[j]
+            if p < 0:
+                q = np.float64(probs[j])
+                depth[j] = 1
+            else:
+                q = np.float64(probs[j]) / max(np.float64(probs[a + p]), 1e-12)
+                depth[j] = depth[a + p] + 1
+            qi = np.searchsorted(QBINS, q, side="right")
+            di = np.searchsorted(DBINS, depth[j], side="right")
+            ki = np.searchsorted(KBINS, siblings[p + 1], side="right")
+            cells[j] = ((((np.int64(sources[j]) * 4 + m) * 6 + qi) * 4 + di) * 4 + ki) * RBINS + rb
+
+
+@njit(cache=True)
+def node_values(parents, offsets, cells, cal, prior_mean, strength, widths, P, G):
+    """Calibrated P(accepted) per node into ``P`` and, per request and width, the expected accepted nodes (no
+    bonus) into ``G``. A node's conditional acceptance is its fine cell's Beta mean, shrunk towards its ``mid_cell``
+    cell, shrunk towards its ``top_cell``, shrunk towards the fixed prior; P is the product along the path."""
+    succ, trials, mid_succ, mid_trials, top_succ, top_trials = cal
+    B = offsets.shape[0] - 1
+    for i in range(B):
+        for w in range(widths.shape[0]):
+            G[i, w] = 0.0
+        a = offsets[i]
+        for j in range(a, offsets[i + 1]):
+            c = cells[j]
+            t = top_cell(c)
+            mc = mid_cell(c)
+            top = (top_succ[t] + strength * prior_mean[t]) / (top_trials[t] + strength)
+            mid = (mid_succ[mc] + strength * top) / (mid_trials[mc] + strength)
+            cond = (succ[c] + strength * mid) / (trials[c] + strength)
+            p = parents[j]
+            P[j] = cond if p < 0 else cond * P[a + p]
+            k = j - a + 1  # this node is the request's k-th: every width w with w - 1 >= k holds it
+            for w in range(widths.shape[0]):
+                if widths[w] - 1 >= k:
+                    G[i, w] += P[j]
+
+
+@njit(cache=True)
+def pend_room(slots, offsets, pend):
+    """Room the pending pools need for the batch's drafts: (drafts, nodes) per slot, or (0, 0) if they fit."""
+    nd, nn, cap_d, cap_n = pend.nd, pend.nn, pend.start.shape[1], pend.tok.shape[1]
+    need_d = 0
+    need_n = 0
+    for i in range(slots.shape[0]):
+        L = offsets[i + 1] - offsets[i]
+        if L > 0:
+            s = slots[i]
+            if nd[s] + 1 > cap_d:
+                need_d = max(need_d, nd[s] + 1)
+            if nn[s] + L > cap_n:
+                need_n = max(need_n, nn[s] + L)
+    return need_d, need_n
+
+
+@njit(cache=True)
+def pend_add(slots, tokens, parents, offsets, cells, pend):
+    """Queue every non-empty draft of the batch for shadow evaluation (the pools have room)."""
+    ptok, ppar, pcell, pstart, plen, pcur, nd, nn = (pend.tok, pend.par, pend.cell, pend.start, pend.length,
+                                                      pend.cur, pend.nd, pend.nn)
+    for i in range(slots.shape[0]):
+        a = offsets[i]
+        L = offsets[i + 1] - a
+        if L == 0:
+            continue
+        s = slots[i]
+        d = nd[s]
+        base = nn[s]
+        pstart[s, d] = base
+        plen[s, d] = L
+        pcur[s, d] = -1
+        for j in range(L):
+            ptok[s, base + j] = tokens[a + j]
+            ppar[s, base + j] = parents[a + j]
+            pcell[s, base + j] = cells[a + j]
+        nd[s] = d + 1
+        nn[s] = base + L
+
+
+@njit(cache=True)
+def shadow_evaluate(slots, toks, offs, pend, alpha, cal):
+    """Shadow-evaluate every pending draft of each request against its committed tokens ``toks[offs[k]:
+    offs[k+1]]``: at each depth the children of the node accepted so far are tried, the one matching the
+    committed token (if any) is accepted; a draft is decided when none matches or its accepted node has no
+    children. Counts go to the calibration tables, the request's success rate moves; undecided drafts stay
+    (oldest first), compacted in place."""
+    ptok, ppar, pcell, pstart, plen, pcur, nd, nn = (pend.tok, pend.par, pend.cell, pend.start, pend.length,
+                                                      pend.cur, pend.nd, pend.nn)
+    success = pend.success
+    succ, trials, mid_succ, mid_trials, top_succ, top_trials = cal
+    for k in range(slots.shape[0]):
+        s = slots[k]
+        if nd[s] == 0:
+            continue
+        a = offs[k]
+        b = offs[k + 1]
+        ntried = 0
+        nhit = 0
+        keep = 0
+        wpos = 0
+        for d in range(nd[s]):
+            st = pstart[s, d]
+            L = plen[s, d]
+            cur = pcur[s, d]
+            decided = False
+            for q in range(a, b):
+                t = toks[q]
+                nxt = -1
+                for j in range(L):
+                    if ppar[s, st + j] == cur:
+                        c = pcell[s, st + j]
+                        mc = mid_cell(c)
+                        tc = top_cell(c)
+                        trials[c] += 1.0
+                        mid_trials[mc] += 1.0
+                        top_trials[tc] += 1.0
+                        ntried += 1
+                        if ptok[s, st + j] == t:
+                            succ[c] += 1.0
+                            mid_succ[mc] += 1.0
+                            top_succ[tc] += 1.0
+                            nhit += 1
+                            nxt = j
+                if nxt < 0:
+                    decided = True
+                    break
+                cur = nxt
+            if decided:
+                continue
+            alive = False
+            for j in range(L):
+                if ppar[s, st + j] == cur:
+                    alive = True
+                    break
+            if alive:  # children of the accepted node still to be decided
+                if wpos != st:
+                    for j in range(L):
+                        ptok[s, wpos + j] = ptok[s, st + j]
+                        ppar[s, wpos + j] = ppar[s, st + j]
+                        pcell[s, wpos + j] = pcell[s, st + j]
+                pstart[s, keep] = wpos
+                plen[s, keep] = L
+                pcur[s, keep] = cur
+                keep += 1
+                wpos += L
+        nd[s] = keep
+        nn[s] = wpos
+        if ntried > 0:
+            rate = nhit / ntried
+            success[s] = rate if success[s] < 0 else success[s] + alpha * (rate - success[s])
