@@ -405,3 +405,58 @@ class CostModel:
     def estimate(self, batch: int, width: int) -> float:
         wi = self._check(batch, width)
         return float(self.row(int(batch))[0][wi])
+
+    # ------------------------------------------------------------------------------------- persistence
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The learned state as named arrays (copies): the ``CostState`` fields, the sample clock and how many
+        batch sizes of the prior are tabulated (the prior itself is not saved state: it is checked on load)."""
+        out = {f"cost_{name}": np.array(a, copy=True) for name, a in zip(CostState._fields, self.state)}
+        out["cost_clock"] = np.array([self.clock], np.int64)
+        out["cost_prior_rows"] = np.array([self._prior_rows], np.int64)
+        return out
+
+    def load_state_dict(self, data: dict) -> None:
+        """Replace the learned state with ``data`` (from ``state_dict``). ValueError, and nothing changes, if
+        it does not fit these widths or was learned under a different prior (the ratios measured / prior
+        would mean something else)."""
+        W = len(self.widths)
+        try:
+            arrays = {name: np.asarray(data[f"cost_{name}"]) for name in CostState._fields}
+            clock = int(np.asarray(data["cost_clock"]).reshape(-1)[0])
+            prior_rows = int(np.asarray(data["cost_prior_rows"]).reshape(-1)[0])
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(f"cost state is incomplete or malformed: {e}") from None
+        dtypes = {"last": np.int64, "blist": np.int64, "nblist": np.int64, "has_ratio": np.bool_,
+                  "has_global": np.bool_}
+        fixed = {"nblist": (W,), "ratio": (40,), "has_ratio": (40,), "global_ratio": (1,), "has_global": (1,)}
+        rows = arrays["ewma"].shape[0] if arrays["ewma"].ndim == 2 else -1
+        for name, a in arrays.items():
+            if a.dtype != np.dtype(dtypes.get(name, np.float64)):
+                raise ValueError(f"cost state: {name} has dtype {a.dtype}, expected "
+                                 f"{np.dtype(dtypes.get(name, np.float64))}")
+            if name in fixed:
+                ok = a.shape == fixed[name]
+            elif name == "blist":
+                ok = a.ndim == 2 and a.shape[0] == W
+            else:
+                ok = a.shape == (rows, W)
+            if not ok or rows < 2:
+                raise ValueError(f"cost state: {name} has shape {a.shape}, which does not fit {W} widths "
+                                 f"{self.widths} (the state was saved with other widths?)")
+        if not 1 <= prior_rows <= rows or clock < 0:
+            raise ValueError(f"cost state: bad clock {clock} or prior rows {prior_rows}")
+        nb = arrays["nblist"]
+        if nb.min() < 0 or nb.max() > arrays["blist"].shape[1] or any(
+                np.any((arrays["blist"][wi, :k] < 1) | (arrays["blist"][wi, :k] >= rows)) for wi, k in enumerate(nb)):
+            raise ValueError("cost state: the measured batch lists are inconsistent")
+        saved_prior = arrays["prior"]
+        mine = np.zeros_like(saved_prior)
+        for b in range(1, prior_rows):
+            mine[b] = [float(self.prior(b, w)) for w in self.widths]
+        if not np.allclose(mine[1:prior_rows], saved_prior[1:prior_rows], rtol=1e-9, atol=0.0):
+            raise ValueError("cost state was learned under a different cost prior; load it into a controller "
+                             "with the same prior (or start cold)")
+        self.state = CostState(**{name: arrays[name].copy() for name in CostState._fields})
+        self.clock = clock
+        self._prior_rows = prior_rows
+        self._rows.clear()
