@@ -168,3 +168,27 @@ def test_save_is_atomic_and_leaves_no_temporary_file(tmp_path):
     ctl.save_state(path)
     ctl.save_state(path)  # overwrite
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.npz"]
+
+
+def test_simulator_runs_chain_through_a_state_file(tmp_path):
+    from ngramspec.sim.methods import make_method
+    from ngramspec.sim.simulate import replay
+    from ngramspec.sim.traces import make_trace
+
+    recs = _records(4, n=6)
+    first = make_trace("first", [{"prompt": p, "output": o} for p, o in recs[:3]])
+    second = make_trace("second", [{"prompt": p, "output": o} for p, o in recs[3:]])
+    out = str(tmp_path / "state-{profile}.npz")
+    learner = make_method(f"ngramspec-adaptive:state_out={out}")
+    replay(first, learner, 1, SEED)
+    saved = tmp_path / "state-seed-pcie8.npz"
+    assert saved.is_file()
+    warm = make_method(f"ngramspec-adaptive:state_in={out}")
+    warm.bind_profile(SEED)
+    assert warm.ctl.costs.clock == learner.ctl.costs.clock > 0
+    for a, b in zip(warm.ctl.calibration, learner.ctl.calibration):
+        assert np.array_equal(a, b)
+    run = replay(second, make_method(f"ngramspec-adaptive:state_in={out}"), 1, SEED)
+    assert run.tokens == sum(len(o) for _, o in recs[3:])
+    with pytest.raises(FileNotFoundError):
+        replay(second, make_method(f"ngramspec-adaptive:state_in={tmp_path}/nope.npz"), 1, SEED)

@@ -143,6 +143,8 @@ def replay(trace: Trace, method: Method, batch: int = 1, profile: CostProfile | 
         bar.update(committed_since_bar)
         bar.close()
     result.replay_s = clock() - began
+    if callable(getattr(method, "close", None)):  # the replay is over (e.g. a method writes what it learned)
+        method.close()
     result.tokens = sum(len(o) for o in outputs)
     result.steps, result.drafted, result.accepted, result.proposer_s = steps, drafted, accepted, proposer_s
     result.batch_steps = sum(counts.values())

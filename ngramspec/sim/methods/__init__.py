@@ -13,6 +13,7 @@ the root being the last committed token, and `parents[j] < j`):
     update(rid, committed, n_accepted) the tokens committed this step (accepted draft tokens + bonus)
     observe_step(batch, width, ms)     the simulated step time under the profile, for adaptive methods
     finish(rid)                        the request is done
+    close()                            the replay is over (e.g. write what was learned)
 
 Optional hooks the simulator honours: `warmup()` runs before the replay's clock starts (JIT compilation stays
 out of the proposer's time); `needs_future = True` makes it call `see_future(rid, output)` before
@@ -69,6 +70,9 @@ class Method:
 
     def finish(self, rid) -> None:
         pass
+
+    def close(self) -> None:
+        """The replay is over."""
 
 
 METHODS: dict[str, Callable[..., Method]] = {}

@@ -15,13 +15,17 @@ _EMPTY = np.zeros(0, np.int32)
 
 
 class AdaptiveMethod(Method):
-    """`ngramspec-adaptive`: NgramCache tree drafts, controller-chosen width. Sees only reported durations."""
+    """`ngramspec-adaptive`: NgramCache tree drafts, controller-chosen width. Sees only reported durations.
+
+    ``state_in=PATH`` starts the controller from a state saved by ``state_out=PATH`` of an earlier run (chain
+    runs: learn on one trace, start warm on another); ``{profile}`` in either path is replaced by the cost
+    profile's name (a state holds measured costs, so it belongs to one profile)."""
 
     profile_dependent = True  # its decisions depend on the durations it observes
 
     def __init__(self, max_width: int = 16, prior: str = "default", tree: int = 1, depth: int = 16,
                  explore_frac: float = 0.002, widths: str | None = None, clip: float = 2.0,
-                 stale: int = 500):
+                 stale: int = 500, state_in: str | None = None, state_out: str | None = None):
         if widths is not None:  # e.g. widths=1-2-4-8-17
             try:
                 widths = [int(w) for w in str(widths).split("-")]
@@ -43,6 +47,10 @@ class AdaptiveMethod(Method):
         self.tree = bool(tree)
         self._width = 1
         self._committed: dict = {}  # tokens committed this step, handed over in the next step's one call
+        # start warm from / save to a controller state file ('{profile}' in the path: the profile's name)
+        self.state_in = None if state_in is None else str(state_in)
+        self.state_out = None if state_out is None else str(state_out)
+        self._profile_name = ""
 
     def warmup(self) -> None:
         from ngramspec.cache import warm_up
@@ -50,7 +58,18 @@ class AdaptiveMethod(Method):
         warm_up()
 
     def bind_profile(self, profile) -> None:
-        pass  # deliberately ignored: the controller learns costs only from observe_step
+        # the costs are deliberately not passed on (the controller learns them only from observe_step); the
+        # profile's name only names the state files
+        self._profile_name = profile.name
+        if self.state_in:
+            self.ctl.load_state(self._state_path(self.state_in))
+
+    def _state_path(self, template: str) -> str:
+        return template.replace("{profile}", self._profile_name)
+
+    def close(self) -> None:
+        if self.state_out:
+            self.ctl.save_state(self._state_path(self.state_out))
 
     def start(self, rid, prompt):
         self.cache.start_request(rid, prompt)
