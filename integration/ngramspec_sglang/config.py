@@ -8,7 +8,7 @@ Pure Python (no sglang import) so it is testable anywhere. Where a knob comes fr
 - `--speculative-ngram-capacity`: trie nodes in all (half per-request histories, half the shared cache;
   40 bytes each on the host).
 - `--speculative-adaptive-config FILE`: a JSON object with any of the keys of `ADAPTIVE_CONFIG_KEYS`
-  (candidate widths, fixed width, TP sync interval, controller options).
+  (candidate widths, fixed width, TP sync interval, controller options, the controller's state file).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ ALGORITHM_NAME = "NGRAM_ADAPTIVE"
 DEFAULT_MAX_WIDTH = 16
 DEFAULT_MAX_RUNNING_REQUESTS = 48  # SGLang's NGRAM default, kept for a like-for-like comparison
 DEFAULT_TP_SYNC_INTERVAL = 8
+DEFAULT_STATE_SAVE_MINUTES = 10.0
 
 # SGLang `--speculative-ngram-*` options we do not use, with the reason shown to the user.
 IGNORED_NGRAM_OPTIONS = {
@@ -38,6 +39,8 @@ ADAPTIVE_CONFIG_KEYS = {
     "max_depth": "suffix depth of the cache (overrides --speculative-ngram-max-trie-depth)",
     "tp_sync_interval": "verify steps between broadcasts of rank 0's step timings (tensor parallel)",
     "controller": "keyword options of ngramspec.controller.AdaptiveController (e.g. prior: a calibration JSON path)",
+    "state_file": "path of the controller's learned state: loaded at start-up if it exists, written by TP rank 0",
+    "state_save_minutes": "minutes between writes of state_file (and once at exit); default 10",
 }
 
 
@@ -52,6 +55,8 @@ class AdaptiveConfig:
     capacity: int = 10_000_000
     tp_sync_interval: int = DEFAULT_TP_SYNC_INTERVAL
     controller: Mapping[str, Any] = field(default_factory=dict)
+    state_file: str | None = None
+    state_save_minutes: float = DEFAULT_STATE_SAVE_MINUTES
 
     def __post_init__(self):
         widths = tuple(self.widths)
@@ -73,6 +78,13 @@ class AdaptiveConfig:
             raise ValueError(f"tree must be true or false, got {self.tree!r}")
         if not isinstance(self.controller, Mapping):
             raise ValueError(f"controller must be a JSON object, got {self.controller!r}")
+        if self.state_file is not None and (not isinstance(self.state_file, str) or not self.state_file):
+            raise ValueError(f"state_file must be a file path, got {self.state_file!r}")
+        if self.state_file is not None and self.fixed_width is not None:
+            raise ValueError("state_file needs the adaptive controller; drop fixed_width or state_file")
+        m = self.state_save_minutes
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0 or m == float("inf"):
+            raise ValueError(f"state_save_minutes must be a positive number, got {m!r}")
         object.__setattr__(self, "widths", widths)
 
     @property
@@ -142,4 +154,6 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         capacity=getattr(args, "speculative_ngram_capacity", None) or 10_000_000,
         tp_sync_interval=data.get("tp_sync_interval", DEFAULT_TP_SYNC_INTERVAL),
         controller=data.get("controller", {}),
+        state_file=data.get("state_file"),
+        state_save_minutes=data.get("state_save_minutes", DEFAULT_STATE_SAVE_MINUTES),
     )

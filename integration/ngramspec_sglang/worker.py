@@ -65,6 +65,7 @@ from .backoff import PlanBackoff
 from .config import resolve_config
 from .drafting import DraftPlanner
 from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens, request_views
+from .state import StateKeeper
 from .timing import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._tp_group = get_parallel().tp_group
         self._max_requests = 2 * max(1024, get_schedule().max_running_requests or 0)
         self.planner = self._new_planner()
+        # start warm from the controller's saved state (every rank loads it; rank 0 writes it)
+        self._state = StateKeeper.from_config(self.config, self._tp_group.rank_in_group)
+        if self._state is not None:
+            self._state.attach(lambda: self.planner.controller)
         self.waiting_requests: int | None = None  # set by the Scheduler.run_batch hook (hooks.py)
         self._width_states: dict[int, tuple] = {}
         self._decode_state: tuple | None = None  # (attention backend, DECODE-mode graph runner) for width 1
@@ -290,6 +295,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
     # -------------------------------------------------------------------- SGLang callbacks
     def clear_cache_pool(self):
         self.planner = self._new_planner()
+        if self._state is not None:
+            self._state.load(self.planner.controller)
         self._prev_decode_rids = set()
         self._timer.interrupt()
         self._drafted_last = False
@@ -325,6 +332,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
             self._timer.interrupt()
             return self._forward_extend(batch, on_publish, pp_proxy_tensors)
         t0 = time.perf_counter()
+        if self._state is not None:
+            self._state.maybe_save(self.planner.controller)  # rank 0, every state_save_minutes
         fwd_stream = torch.get_device_module(self.device).current_stream()
         record_stream_for_v2_verify(batch, None, fwd_stream)
         set_time_batch(batch.reqs, "set_spec_draft_start_time", trace_only=True)

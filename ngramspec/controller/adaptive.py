@@ -496,17 +496,24 @@ class AdaptiveController:
         """``load_state_dict`` from a file written by ``save_state``. FileNotFoundError for a missing file,
         ValueError for an unreadable or mismatched one; nothing changes on failure."""
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"controller state file not found: {path}")
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                data = {k: z[k] for k in z.files}
-        except Exception as e:  # a truncated or foreign file: zipfile, pickle or format errors
-            raise ValueError(f"{path}: not a readable controller state file ({type(e).__name__}: {e})") from None
+        data = read_state_file(path)
         try:
             self.load_state_dict(data)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def read_state_file(path) -> dict[str, np.ndarray]:
+    """The arrays of a state file (``AdaptiveController.save_state``), unchecked. FileNotFoundError for a
+    missing file, ValueError for one that is not a readable .npz."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"controller state file not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except Exception as e:  # a truncated or foreign file: zipfile, pickle or format errors
+        raise ValueError(f"{path}: not a readable controller state file ({type(e).__name__}: {e})") from None
 
 
 STATE_FORMAT = "ngramspec-controller-state"
