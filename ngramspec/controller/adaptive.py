@@ -480,7 +480,7 @@ class AdaptiveController:
         self._n_steps, self._n_explored, self._n_remeasured, self._step = (int(c) for c in counters)
 
     def save_state(self, path) -> None:
-        """Write ``state_dict`` to ``path`` (a small .npz file, about 100 kB), atomically: a reader never sees
+        """Write ``state_dict`` to ``path`` (a small compressed .npz file, tens of kB), atomically: a reader never sees
         a half-written file."""
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}"
