@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
-from numba import njit, typed
+from numba import typed
 
 from ngramspec import _draft, _shared, _trie
 
@@ -66,6 +67,18 @@ class DraftBatch:
     def draft(self, i: int) -> Draft:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Draft(self.tokens[a:b], self.parents[a:b], self.probs[a:b], self.sources[a:b])
+
+
+_new_batch = object.__new__
+
+
+def _draft_batch(tokens, parents, probs, sources, offsets, match_lens) -> DraftBatch:
+    """``DraftBatch(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (a third of the cost on
+    the per-step path); the result is an ordinary, equal DraftBatch."""
+    b = _new_batch(DraftBatch)
+    b.__dict__.update(tokens=tokens, parents=parents, probs=probs, sources=sources, offsets=offsets,
+                      match_lens=match_lens)
+    return b
 
 
 def _is_int(t) -> bool:
@@ -147,13 +160,12 @@ class NgramCache:
         empty = np.zeros(1, dtype=np.int32)
         self._hists = typed.List([empty for _ in range(R)])  # for the jitted kernels
         self._hist_arrays = [empty] * R  # the same arrays: typed.List is slow to index from Python
-        self._hcap = np.ones(R, dtype=np.int64)  # their sizes
         self._scratch = np.empty(int(local_nodes), dtype=np.int32)
         self._share_active = np.full(D, -1, dtype=np.int32)
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(R - 1, -1, -1))
         self._out = None  # reused output buffers of _propose_slots, grown on demand
-        self._out_budget = 0
+        self._budgets: dict[int, np.ndarray] = {}  # budget -> an array of it (read-only use), grown on demand
 
     # ----------------------------------------------------------------------------------------------- verbs
     def start_request(self, rid: Hashable, prompt) -> None:
@@ -177,7 +189,7 @@ class NgramCache:
         self._since[slot] = 0
         self._epoch_seen[slot] = -1
         self._set_hist(slot, np.empty(max(64, 2 * toks.size), dtype=np.int32))
-        self._append([slot], toks, [toks.size])
+        self._append_flat(np.array((slot,), np.int64), toks, np.array((0, toks.size), np.int64))
 
     def add_tokens(self, rid: Hashable, tokens) -> None:
         """Append tokens the model committed for ``rid`` (accepted draft tokens + the bonus token)."""
@@ -186,57 +198,58 @@ class NgramCache:
     def add_tokens_batch(self, rids: Sequence[Hashable], token_lists: Sequence) -> None:
         """``add_tokens`` for a whole batch in one jitted call. Validates everything before changing anything."""
         slots = self._slots(rids)
-        if isinstance(token_lists, (str, bytes)) or not isinstance(token_lists, (Sequence, np.ndarray)):
+        if type(token_lists) is not list and (isinstance(token_lists, (str, bytes))
+                                              or not isinstance(token_lists, (Sequence, np.ndarray))):
             raise TypeError(f"token_lists must be a list with one token list per request, got "
                             f"{type(token_lists).__name__}")
-        if len(rids) != len(token_lists):
+        B = len(slots)
+        if B != len(token_lists):
             raise ValueError(f"{len(rids)} request ids but {len(token_lists)} token lists")
-        if len(set(slots)) != len(slots):
+        if B > 1 and len(set(slots)) != B:
             raise ValueError("a request id appears twice in one batch")
-        flat = None
-        try:  # the common cases, validated in one pass over the whole batch
-            if all(type(t) is list for t in token_lists):
-                flat = as_tokens([x for t in token_lists for x in t], "tokens")
-                lengths = [len(t) for t in token_lists]
-            elif token_lists and all(isinstance(t, np.ndarray) and t.ndim == 1 and t.dtype.kind in "iu"
-                                     for t in token_lists):
-                flat = as_tokens(np.concatenate(token_lists), "tokens")
-                lengths = [t.size for t in token_lists]
-        except (TypeError, ValueError):
-            flat = None  # validate request by request below, for an error that names the request
-        if flat is None:
-            arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
-            flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-            lengths = [a.size for a in arrays]
-        self._append(slots, flat, lengths)
+        slots_arr = np.array(slots, np.int64)
+        flat = _flatten(token_lists)  # the common cases, checked in one pass over the whole batch
+        if flat is not None:
+            lengths = [len(t) for t in token_lists]
+            try:
+                return self._append_flat(slots_arr, flat, _offsets(lengths))
+            except _NegativeToken:
+                pass  # nothing changed: validate below, for an error that names the request
+        arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
+        flat = arrays[0] if B == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+        self._append_flat(slots_arr, flat, _offsets([a.size for a in arrays]))
 
     def propose(self, rids: Sequence[Hashable], budgets=8, tree: bool = True) -> DraftBatch:
         """Draft up to ``budgets[i]`` tokens for each request (a chain when ``tree`` is False)."""
         slots = self._slots(rids)
         B = len(slots)
-        if len(set(slots)) != B:
+        if B > 1 and len(set(slots)) != B:
             raise ValueError("a request id appears twice in one batch")
-        if np.ndim(budgets) == 0:
-            budgets = [budgets] * B
-        if np.ndim(budgets) != 1 or len(budgets) != B:
-            raise ValueError(f"budgets must be one integer or one per request ({B}), got {budgets!r}")
-        if not all(_is_int(b) and 1 <= b <= MAX_BUDGET for b in budgets):
-            raise ValueError(f"budgets must be integers in [1, {MAX_BUDGET}], got {list(budgets)!r}")
-        bud = np.asarray(budgets, dtype=np.int64).reshape(B)
-        total = int(bud.sum())
+        if type(budgets) is int and 1 <= budgets <= MAX_BUDGET:  # the common case: one budget for all
+            bud = self._uniform_budgets(budgets, B)
+            total = budgets * B
+        else:
+            if np.ndim(budgets) == 0:
+                budgets = [budgets] * B
+            if np.ndim(budgets) != 1 or len(budgets) != B:
+                raise ValueError(f"budgets must be one integer or one per request ({B}), got {budgets!r}")
+            if not all(_is_int(b) and 1 <= b <= MAX_BUDGET for b in budgets):
+                raise ValueError(f"budgets must be integers in [1, {MAX_BUDGET}], got {list(budgets)!r}")
+            bud = np.asarray(budgets, dtype=np.int64).reshape(B)
+            total = int(bud.sum())
         o_tok = np.empty(total, np.int32)
         o_par = np.empty(total, np.int32)
         o_prob = np.empty(total, np.float32)
         o_src = np.empty(total, np.int8)
         offsets = np.empty(B + 1, np.int64)
-        mlens = np.zeros(B, np.int64)
+        mlens = np.empty(B, np.int64)
         n = _draft.propose_batch(
-            np.asarray(slots, dtype=np.int64), bud, bool(tree), self.max_depth,
+            np.array(slots, np.int64), bud, bool(tree), self.max_depth,
             self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
             self._s_nodes, self._s_table, self._s_root, self._arena,
             self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
             o_tok, o_par, o_prob, o_src, offsets, mlens)
-        return DraftBatch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
+        return _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
 
     def finish_request(self, rid: Hashable, share: bool = True) -> None:
         """Free the request's state; with ``share`` its output (tokens after the prompt) joins the shared cache."""
@@ -319,8 +332,8 @@ class NgramCache:
         return (int(self._ring[_shared.S_HEAD]) + np.arange(int(self._ring[_shared.S_COUNT]))) % n_seg
 
     def _slots(self, rids: Sequence[Hashable]) -> list[int]:
-        if (isinstance(rids, (str, bytes)) or not isinstance(rids, (Sequence, np.ndarray))
-                or (isinstance(rids, np.ndarray) and rids.ndim != 1)):
+        if type(rids) is not list and (isinstance(rids, (str, bytes)) or not isinstance(rids, (Sequence, np.ndarray))
+                                       or (isinstance(rids, np.ndarray) and rids.ndim != 1)):
             raise TypeError(f"request ids must come as a list (one per request, e.g. [rid]), got "
                             f"{type(rids).__name__} {rids!r}")
         try:
@@ -333,57 +346,92 @@ class NgramCache:
     def _set_hist(self, slot: int, arr: np.ndarray) -> None:
         self._hists[slot] = arr
         self._hist_arrays[slot] = arr
-        self._hcap[slot] = arr.size
-
-    def _append(self, slots: list[int], flat: np.ndarray, lengths: list[int]) -> None:
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        self._append_flat(np.asarray(slots, dtype=np.int64), flat, offsets)
 
     def _append_flat(self, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
-        """Append validated tokens ``flat[offsets[i]:offsets[i+1]]`` to slot ``slots[i]`` (one kernel call)."""
-        i = _hist_short(slots, offsets, self._hcap, self._hlens)
-        while i >= 0:  # grow the histories that lack room (doubling), then check again from there
+        """Append tokens ``flat[offsets[i]:offsets[i+1]]`` (int32, validated but for negative ids: those raise
+        ValueError and change nothing) to slot ``slots[i]``. One kernel call, and one more per history array
+        that has to grow first."""
+        while True:
+            code = _draft.append_batch(slots, flat, offsets, self.max_depth, self._l_nodes, self._l_table,
+                                       self._l_meta, self._roots, self._hists, self._hlens, self._active,
+                                       self._since)
+            if code == 0:
+                return
+            if code < 0:
+                raise _NegativeToken(f"tokens: token id {int(flat[-1 - code])} is out of range "
+                                     f"[0, {MAX_TOKEN + 1})")
+            # nothing was appended: request code - 1 lacks room; grow its history (doubling) and try again
+            i = code - 1
             slot = int(slots[i])
             n, k = int(self._hlens[slot]), int(offsets[i + 1] - offsets[i])
             hist = self._hist_arrays[slot]
             grown = np.empty(max(n + k, 2 * hist.size), dtype=np.int32)
             grown[:n] = hist[:n]
             self._set_hist(slot, grown)
-            i = _hist_short(slots, offsets, self._hcap, self._hlens)
-        _draft.append_batch(slots, flat, offsets, self.max_depth, self._l_nodes,
-                            self._l_table, self._l_meta, self._roots, self._hists, self._hlens, self._active,
-                            self._since)
+
+    def _uniform_budgets(self, budget: int, B: int) -> np.ndarray:
+        """An int64 array of ``B`` times ``budget``: a view of a kept array (the kernels only read it)."""
+        bud = self._budgets.get(budget)
+        if bud is None or bud.shape[0] < B:
+            if len(self._budgets) >= 64:
+                self._budgets.clear()
+            bud = self._budgets[budget] = np.full(max(B, 64), budget, np.int64)
+        return bud[:B]
 
     def _propose_slots(self, slots: np.ndarray, budget: int, tree: bool) -> DraftBatch:
         """``propose`` for validated, distinct slots and one budget, into reused output buffers: the returned
         arrays are views that the next call overwrites (the controller's ``step`` copies what it keeps)."""
         B = slots.shape[0]
         buf = self._out
-        if buf is None or buf[0].shape[0] < B * budget or buf[4].shape[0] < B + 1 or self._out_budget != budget:
+        if buf is None or buf[0].shape[0] < B * budget or buf[4].shape[0] < B + 1:
             n, m = max(B * budget, 1024), max(B + 1, 64)
             buf = self._out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
-                               np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64),
-                               np.full(m, budget, np.int64))
-            self._out_budget = budget
-        o_tok, o_par, o_prob, o_src, offsets, mlens, bud = buf
+                               np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64))
+        o_tok, o_par, o_prob, o_src, offsets, mlens = buf
         offsets, mlens = offsets[: B + 1], mlens[:B]
         n = _draft.propose_batch(
-            slots, bud[:B], bool(tree), self.max_depth,
+            slots, self._uniform_budgets(budget, B), bool(tree), self.max_depth,
             self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
             self._s_nodes, self._s_table, self._s_root, self._arena,
             self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
             o_tok, o_par, o_prob, o_src, offsets, mlens)
-        return DraftBatch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
+        return _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
 
-@njit(cache=True)
-def _hist_short(slots, offsets, hcap, hlens):
-    """The first request whose history has no room for its new tokens, or -1."""
-    for i in range(slots.shape[0]):
-        r = slots[i]
-        if hlens[r] + offsets[i + 1] - offsets[i] > hcap[r]:
-            return i
-    return -1
+
+class _NegativeToken(ValueError):
+    """A negative token id reached the append kernel (which then changed nothing)."""
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    return np.array((0, lengths[0]) if len(lengths) == 1 else (0, *accumulate(lengths)), np.int64)
+
+
+def _flatten(token_lists) -> np.ndarray | None:
+    """The common kinds of batch input (lists of Python ints; 1-D integer arrays) as one int32 array, checked
+    but for negative ids (the append kernel checks those). None for other kinds or for invalid tokens."""
+    if all(type(t) is list for t in token_lists):
+        items = [x for t in token_lists for x in t]
+        if not items:
+            return np.zeros(0, np.int32)
+        if all(type(x) is int for x in items):
+            return np.array(items, np.int32) if min(items) >= 0 and max(items) <= MAX_TOKEN else None
+        try:
+            return as_tokens(items, "tokens")
+        except (TypeError, ValueError):
+            return None
+    if token_lists and all(isinstance(t, np.ndarray) and t.ndim == 1 and t.dtype.kind in "iu" for t in token_lists):
+        if len(token_lists) == 1:
+            t = token_lists[0]
+            if type(t) is np.ndarray and t.dtype == np.int32 and t.flags.c_contiguous and t.flags.writeable:
+                return t
+        flat = np.concatenate(token_lists)
+        if flat.dtype == np.int32:
+            return flat
+        try:
+            return as_tokens(flat, "tokens")
+        except ValueError:
+            return None
+    return None
 
 
 def warm_up() -> None:
