@@ -165,7 +165,11 @@ class NgramCache:
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(R - 1, -1, -1))
         self._out = None  # reused output buffers of _propose_slots, grown on demand
+        self._append_kernel = _Direct(_draft.append_batch)  # (see _Direct: these two skip numba's dispatch)
+        self._propose_kernel = _Direct(_draft.propose_batch)
         self._budgets: dict[int, np.ndarray] = {}  # budget -> an array of it (read-only use), grown on demand
+        self._one_slot = np.zeros(1, np.int64)  # kernel arguments of single-request calls, reused
+        self._one_offsets = np.zeros(2, np.int64)
 
     # ----------------------------------------------------------------------------------------------- verbs
     def start_request(self, rid: Hashable, prompt) -> None:
@@ -207,17 +211,17 @@ class NgramCache:
             raise ValueError(f"{len(rids)} request ids but {len(token_lists)} token lists")
         if B > 1 and len(set(slots)) != B:
             raise ValueError("a request id appears twice in one batch")
-        slots_arr = np.array(slots, np.int64)
+        slots_arr = self._slot_array(slots)
         flat = _flatten(token_lists)  # the common cases, checked in one pass over the whole batch
         if flat is not None:
-            lengths = [len(t) for t in token_lists]
             try:
-                return self._append_flat(slots_arr, flat, _offsets(lengths))
+                return self._append(self._append_kernel, slots_arr, flat,
+                                    self._offsets([len(t) for t in token_lists]))
             except _NegativeToken:
                 pass  # nothing changed: validate below, for an error that names the request
         arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
         flat = arrays[0] if B == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-        self._append_flat(slots_arr, flat, _offsets([a.size for a in arrays]))
+        self._append_flat(slots_arr, flat, self._offsets([a.size for a in arrays]))
 
     def propose(self, rids: Sequence[Hashable], budgets=8, tree: bool = True) -> DraftBatch:
         """Draft up to ``budgets[i]`` tokens for each request (a chain when ``tree`` is False)."""
@@ -243,8 +247,9 @@ class NgramCache:
         o_src = np.empty(total, np.int8)
         offsets = np.empty(B + 1, np.int64)
         mlens = np.empty(B, np.int64)
-        n = _draft.propose_batch(
-            np.array(slots, np.int64), bud, bool(tree), self.max_depth,
+        kernel = self._propose_kernel if _fixed(bud, _I64) else _draft.propose_batch
+        n = kernel(
+            self._slot_array(slots), bud, bool(tree), self.max_depth,
             self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
             self._s_nodes, self._s_table, self._s_root, self._arena,
             self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
@@ -347,14 +352,33 @@ class NgramCache:
         self._hists[slot] = arr
         self._hist_arrays[slot] = arr
 
+    def _slot_array(self, slots: list[int]) -> np.ndarray:
+        """``slots`` as an int64 array; a single slot in a kept buffer (valid until the next call)."""
+        if len(slots) == 1:
+            self._one_slot[0] = slots[0]
+            return self._one_slot
+        return np.array(slots, np.int64)
+
+    def _offsets(self, lengths: list[int]) -> np.ndarray:
+        """Offsets of consecutive ``lengths`` (int64, from 0); for one length in a kept buffer."""
+        if len(lengths) == 1:
+            self._one_offsets[1] = lengths[0]
+            return self._one_offsets
+        return np.array((0, *accumulate(lengths)), np.int64)
+
     def _append_flat(self, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
         """Append tokens ``flat[offsets[i]:offsets[i+1]]`` (int32, validated but for negative ids: those raise
         ValueError and change nothing) to slot ``slots[i]``. One kernel call, and one more per history array
         that has to grow first."""
+        fixed = _fixed(slots, _I64) and _fixed(flat, _I32) and _fixed(offsets, _I64)
+        self._append(self._append_kernel if fixed else _draft.append_batch, slots, flat, offsets)
+
+    def _append(self, kernel, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
+        """`_append_flat` through ``kernel``: `_draft.append_batch`, or this cache's `_Direct` one when the
+        arguments are `_fixed`."""
         while True:
-            code = _draft.append_batch(slots, flat, offsets, self.max_depth, self._l_nodes, self._l_table,
-                                       self._l_meta, self._roots, self._hists, self._hlens, self._active,
-                                       self._since)
+            code = kernel(slots, flat, offsets, self.max_depth, self._l_nodes, self._l_table, self._l_meta,
+                          self._roots, self._hists, self._hlens, self._active, self._since)
             if code == 0:
                 return
             if code < 0:
@@ -389,7 +413,8 @@ class NgramCache:
                                np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64))
         o_tok, o_par, o_prob, o_src, offsets, mlens = buf
         offsets, mlens = offsets[: B + 1], mlens[:B]
-        n = _draft.propose_batch(
+        kernel = self._propose_kernel if _fixed(slots, _I64) else _draft.propose_batch
+        n = kernel(
             slots, self._uniform_budgets(budget, B), bool(tree), self.max_depth,
             self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
             self._s_nodes, self._s_table, self._s_root, self._arena,
@@ -398,17 +423,57 @@ class NgramCache:
         return _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
 
 
+_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
+
+
+def _fixed(a, dtype: np.dtype) -> bool:
+    """Whether ``a`` has the numba type a `_Direct` kernel call assumes for it: a 1-D, C-contiguous, aligned,
+    writeable base ndarray of the native ``dtype``. (Conservative: anything else takes numba's dispatcher.)"""
+    return type(a) is np.ndarray and a.dtype is dtype and a.ndim == 1 and a.flags.carray
+
+
+class _Direct:
+    """A jitted kernel called through the compiled entry point of the argument types of its first call.
+
+    numba's dispatcher works out every argument's type on every call to pick the compiled version: about
+    0.05 µs per array and 0.5 µs for the typed list of histories, about 1 µs per call of the append and propose
+    kernels, most of a batch-1 step's dispatch cost. Calling the entry point skips that, and is only correct while
+    every argument keeps its numba type: one `_Direct` per cache and kernel, called with the cache's own state
+    (arrays fixed at construction), Python ints and bools, and arrays the call site has checked with `_fixed`
+    (else it calls the kernel itself). The first call goes through the dispatcher (compiling or loading the
+    kernel); should numba's internals not offer the entry point, every call does."""
+
+    __slots__ = ("kernel", "entry")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.entry = None
+
+    def __call__(self, *args):
+        if self.entry is not None:
+            return self.entry(*args)
+        out = self.kernel(*args)
+        try:
+            from numba.core.typing.typeof import Purpose, typeof
+
+            sig = tuple(typeof(a, Purpose.argument) for a in args)
+            self.entry = self.kernel.overloads[sig].entry_point
+        except Exception:  # numba internals changed: keep the dispatcher
+            self.entry = self.kernel
+        return out
+
+
 class _NegativeToken(ValueError):
     """A negative token id reached the append kernel (which then changed nothing)."""
 
 
-def _offsets(lengths: list[int]) -> np.ndarray:
-    return np.array((0, lengths[0]) if len(lengths) == 1 else (0, *accumulate(lengths)), np.int64)
-
-
 def _flatten(token_lists) -> np.ndarray | None:
-    """The common kinds of batch input (lists of Python ints; 1-D integer arrays) as one int32 array, checked
-    but for negative ids (the append kernel checks those). None for other kinds or for invalid tokens."""
+    """The common kinds of batch input (lists of Python ints; 1-D integer arrays) as one `_fixed` int32 array,
+    checked but for negative ids (the append kernel checks those). None for other kinds or for invalid tokens."""
+    if len(token_lists) == 1 and type(token_lists[0]) is np.ndarray:
+        t = token_lists[0]
+        if t.dtype is _I32 and t.ndim == 1 and t.flags.carray:
+            return t  # (the kernel only reads it)
     if all(type(t) is list for t in token_lists):
         items = [x for t in token_lists for x in t]
         if not items:
@@ -420,12 +485,8 @@ def _flatten(token_lists) -> np.ndarray | None:
         except (TypeError, ValueError):
             return None
     if token_lists and all(isinstance(t, np.ndarray) and t.ndim == 1 and t.dtype.kind in "iu" for t in token_lists):
-        if len(token_lists) == 1:
-            t = token_lists[0]
-            if type(t) is np.ndarray and t.dtype == np.int32 and t.flags.c_contiguous and t.flags.writeable:
-                return t
         flat = np.concatenate(token_lists)
-        if flat.dtype == np.int32:
+        if flat.dtype is _I32:
             return flat
         try:
             return as_tokens(flat, "tokens")
