@@ -22,6 +22,32 @@ SRC_LOCAL, SRC_SHARED = 0, 1
 MAX_BRANCH = 32  # children considered per tree node: keeps scratch linear in the budget
 
 
+class OwnState(NamedTuple):
+    """A cache's per-request state, as the kernels take it: the per-request tries (one node pool, a root per
+    request) and, per slot, the history length and the bookkeeping of incremental matching. (The histories
+    themselves, a typed List, travel beside it: inside a tuple, numba's dispatcher types a typed List about 30
+    times slower.)"""
+
+    nodes: np.ndarray  # int32 [N, NODE_FIELDS]: the per-request tries' node pool
+    table: np.ndarray  # int32 [H]: its hash table
+    meta: np.ndarray  # int64 [5]: its free list and counters
+    roots: np.ndarray  # int32 [R]: each slot's trie root (-1: free slot)
+    hlens: np.ndarray  # int64 [R]: tokens in each history
+    active: np.ndarray  # int32 [R, D]: each slot's open trie positions (insert_token's state)
+    match_len: np.ndarray  # int64 [R, 2]: last match length in own history / in the shared cache
+    since: np.ndarray  # int64 [R]: tokens appended since the last proposal
+    epoch_seen: np.ndarray  # int64 [R]: the shared cache's epoch at the last proposal
+
+
+class SharedState(NamedTuple):
+    """The shared cache as the kernels read it: one trie over the token ring of finished outputs."""
+
+    nodes: np.ndarray
+    table: np.ndarray
+    root: int
+    arena: np.ndarray  # int32 token ring
+
+
 class TreeScratch(NamedTuple):
     """`draft_tree`'s scratch, allocated once per batch (`tree_scratch`). Candidates (``c_*``: token, parent
     draft node, trie position, path probability) live in a max-heap of candidate indices (``h_*``: probability,
@@ -231,12 +257,11 @@ def draft_tree(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_
 
 
 @njit(cache=True)
-def propose_batch(slots, budgets, tree, max_depth,
-                  l_nodes, l_table, roots, hists, hlens,
-                  s_nodes, s_table, s_root, s_arena,
-                  match_len, since, epoch_seen, epoch, use_shared,
+def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared,
                   o_tok, o_par, o_prob, o_src, offsets, o_mlen):
     """Draft for every request of a batch in one call. Output is flat; request i owns offsets[i]:offsets[i+1].
+    ``own``: `OwnState`; ``hists``: the token histories (typed List, by slot); ``shared``: `SharedState`, used
+    when ``use_shared``; ``epoch``: the shared cache's.
 
     Source choice: the longer match wins (own history vs shared cache); on a tie, own history. Match lengths are
     found incrementally: a match can grow by at most the number of tokens added since the last proposal (also
@@ -244,6 +269,9 @@ def propose_batch(slots, budgets, tree, max_depth,
     shared cache's changes (new finished requests) force a full-depth search. The bound only saves work: a
     draft is a function of the tokens fed, never of when or how often ``propose`` was called.
     """
+    l_nodes, l_table, roots, hlens = own.nodes, own.table, own.roots, own.hlens
+    match_len, since, epoch_seen = own.match_len, own.since, own.epoch_seen
+    s_nodes, s_table, s_root, s_arena = shared.nodes, shared.table, shared.root, shared.arena
     B = slots.shape[0]
     maxb = 1
     for i in range(B):
@@ -294,11 +322,13 @@ def propose_batch(slots, budgets, tree, max_depth,
 
 
 @njit(cache=True)
-def append_batch(slots, flat, offsets, max_depth, l_nodes, l_table, l_meta, roots, hists, hlens, active, since):
+def append_batch(slots, flat, offsets, max_depth, own, hists):
     """Append each request's new tokens ``flat[offsets[i]:offsets[i+1]]`` to its history and index them in its
-    own trie (O(D) per token). Checks first and changes nothing when a check fails: returns -1 - j when
-    ``flat[j]`` is negative (not a token id), 1 + i for the first request i whose history array has no room for
-    its new tokens (the caller grows it and calls again), 0 when the tokens were appended."""
+    own trie (O(D) per token); ``own``: `OwnState`, ``hists``: the histories. Checks first and changes nothing
+    when a check fails: returns -1 - j when ``flat[j]`` is negative (not a token id), 1 + i for the first
+    request i whose history array has no room for its new tokens (the caller grows it and calls again), 0 when
+    the tokens were appended."""
+    hlens = own.hlens
     for j in range(flat.shape[0]):
         if flat[j] < 0:
             return -1 - j
@@ -313,6 +343,6 @@ def append_batch(slots, flat, offsets, max_depth, l_nodes, l_table, l_meta, root
             p = hlens[r]
             hist[p] = flat[j]
             hlens[r] = p + 1
-            insert_token(l_nodes, l_table, l_meta, roots[r], active[r], hist, p + 1, p, max_depth)
-        since[r] += offsets[i + 1] - offsets[i]
+            insert_token(own.nodes, own.table, own.meta, own.roots[r], own.active[r], hist, p + 1, p, max_depth)
+        own.since[r] += offsets[i + 1] - offsets[i]
     return 0

@@ -165,7 +165,11 @@ class NgramCache:
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(R - 1, -1, -1))
         self._out = None  # reused output buffers of _propose_slots, grown on demand
-        self._append_kernel = _Direct(_draft.append_batch)  # (see _Direct: these two skip numba's dispatch)
+        self._out_views: dict[tuple[int, int], tuple] = {}  # views of them per (batch size, budget)
+        self._own_state = _draft.OwnState(self._l_nodes, self._l_table, self._l_meta, self._roots, self._hlens,
+                                          self._active, self._match, self._since, self._epoch_seen)
+        self._shared_state = _draft.SharedState(self._s_nodes, self._s_table, self._s_root, self._arena)
+        self._append_kernel = _Direct(_draft.append_batch)  # (see _Direct: these skip numba's dispatch)
         self._propose_kernel = _Direct(_draft.propose_batch)
         self._budgets: dict[int, np.ndarray] = {}  # budget -> an array of it (read-only use), grown on demand
         self._one_slot = np.zeros(1, np.int64)  # kernel arguments of single-request calls, reused
@@ -215,8 +219,7 @@ class NgramCache:
         flat = _flatten(token_lists)  # the common cases, checked in one pass over the whole batch
         if flat is not None:
             try:
-                return self._append(self._append_kernel, slots_arr, flat,
-                                    self._offsets([len(t) for t in token_lists]))
+                return self._append(slots_arr, flat, self._offsets([len(t) for t in token_lists]))
             except _NegativeToken:
                 pass  # nothing changed: validate below, for an error that names the request
         arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
@@ -239,7 +242,7 @@ class NgramCache:
                 raise ValueError(f"budgets must be one integer or one per request ({B}), got {budgets!r}")
             if not all(_is_int(b) and 1 <= b <= MAX_BUDGET for b in budgets):
                 raise ValueError(f"budgets must be integers in [1, {MAX_BUDGET}], got {list(budgets)!r}")
-            bud = np.asarray(budgets, dtype=np.int64).reshape(B)
+            bud = _fix(np.asarray(budgets, dtype=np.int64).reshape(B), _I64)
             total = int(bud.sum())
         o_tok = np.empty(total, np.int32)
         o_par = np.empty(total, np.int32)
@@ -247,13 +250,9 @@ class NgramCache:
         o_src = np.empty(total, np.int8)
         offsets = np.empty(B + 1, np.int64)
         mlens = np.empty(B, np.int64)
-        kernel = self._propose_kernel if _fixed(bud, _I64) else _draft.propose_batch
-        n = kernel(
-            self._slot_array(slots), bud, bool(tree), self.max_depth,
-            self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
-            self._s_nodes, self._s_table, self._s_root, self._arena,
-            self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
-            o_tok, o_par, o_prob, o_src, offsets, mlens)
+        n = self._propose_kernel(self._slot_array(slots), bud, bool(tree), self.max_depth, self.use_shared,
+                                 int(self._ring[_shared.S_EPOCH]), self._own_state, self._hists, self._shared_state,
+                                 o_tok, o_par, o_prob, o_src, offsets, mlens)
         return _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
 
     def finish_request(self, rid: Hashable, share: bool = True) -> None:
@@ -370,15 +369,12 @@ class NgramCache:
         """Append tokens ``flat[offsets[i]:offsets[i+1]]`` (int32, validated but for negative ids: those raise
         ValueError and change nothing) to slot ``slots[i]``. One kernel call, and one more per history array
         that has to grow first."""
-        fixed = _fixed(slots, _I64) and _fixed(flat, _I32) and _fixed(offsets, _I64)
-        self._append(self._append_kernel if fixed else _draft.append_batch, slots, flat, offsets)
+        self._append(_fix(slots, _I64), _fix(flat, _I32), _fix(offsets, _I64))
 
-    def _append(self, kernel, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
-        """`_append_flat` through ``kernel``: `_draft.append_batch`, or this cache's `_Direct` one when the
-        arguments are `_fixed`."""
+    def _append(self, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
+        """`_append_flat` for `_fixed` arrays."""
         while True:
-            code = kernel(slots, flat, offsets, self.max_depth, self._l_nodes, self._l_table, self._l_meta,
-                          self._roots, self._hists, self._hlens, self._active, self._since)
+            code = self._append_kernel(slots, flat, offsets, self.max_depth, self._own_state, self._hists)
             if code == 0:
                 return
             if code < 0:
@@ -406,20 +402,22 @@ class NgramCache:
         """``propose`` for validated, distinct slots and one budget, into reused output buffers: the returned
         arrays are views that the next call overwrites (the controller's ``step`` copies what it keeps)."""
         B = slots.shape[0]
-        buf = self._out
-        if buf is None or buf[0].shape[0] < B * budget or buf[4].shape[0] < B + 1:
+        out = self._out
+        if out is None or out[0].shape[0] < B * budget or out[4].shape[0] < B + 1:
             n, m = max(B * budget, 1024), max(B + 1, 64)
-            buf = self._out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
+            out = self._out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
                                np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64))
-        o_tok, o_par, o_prob, o_src, offsets, mlens = buf
-        offsets, mlens = offsets[: B + 1], mlens[:B]
-        kernel = self._propose_kernel if _fixed(slots, _I64) else _draft.propose_batch
-        n = kernel(
-            slots, self._uniform_budgets(budget, B), bool(tree), self.max_depth,
-            self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
-            self._s_nodes, self._s_table, self._s_root, self._arena,
-            self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
-            o_tok, o_par, o_prob, o_src, offsets, mlens)
+            self._out_views = {}
+        views = self._out_views.get((B, budget))
+        if views is None:  # (per batch size and budget: offsets, match lengths and budgets for B requests)
+            if len(self._out_views) >= 256:
+                self._out_views.clear()
+            views = self._out_views[B, budget] = (out[4][: B + 1], out[5][:B], self._uniform_budgets(budget, B))
+        o_tok, o_par, o_prob, o_src = out[0], out[1], out[2], out[3]
+        offsets, mlens, bud = views
+        n = self._propose_kernel(_fix(slots, _I64), bud, bool(tree), self.max_depth, self.use_shared,
+                                 int(self._ring[_shared.S_EPOCH]), self._own_state, self._hists, self._shared_state,
+                                 o_tok, o_par, o_prob, o_src, offsets, mlens)
         return _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
 
 
@@ -427,21 +425,26 @@ _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 
 
 def _fixed(a, dtype: np.dtype) -> bool:
-    """Whether ``a`` has the numba type a `_Direct` kernel call assumes for it: a 1-D, C-contiguous, aligned,
-    writeable base ndarray of the native ``dtype``. (Conservative: anything else takes numba's dispatcher.)"""
+    """Whether ``a`` has the one numba type the `_Direct` kernels take for an array argument: a 1-D,
+    C-contiguous, aligned, writeable base ndarray of the native ``dtype``."""
     return type(a) is np.ndarray and a.dtype is dtype and a.ndim == 1 and a.flags.carray
+
+
+def _fix(a, dtype: np.dtype) -> np.ndarray:
+    """``a`` itself when it is `_fixed`, else a `_fixed` copy."""
+    return a if _fixed(a, dtype) else np.array(a, dtype=dtype, order="C").reshape(-1)
 
 
 class _Direct:
     """A jitted kernel called through the compiled entry point of the argument types of its first call.
 
-    numba's dispatcher works out every argument's type on every call to pick the compiled version: about
-    0.05 µs per array and 0.5 µs for the typed list of histories, about 1 µs per call of the append and propose
-    kernels, most of a batch-1 step's dispatch cost. Calling the entry point skips that, and is only correct while
-    every argument keeps its numba type: one `_Direct` per cache and kernel, called with the cache's own state
-    (arrays fixed at construction), Python ints and bools, and arrays the call site has checked with `_fixed`
-    (else it calls the kernel itself). The first call goes through the dispatcher (compiling or loading the
-    kernel); should numba's internals not offer the entry point, every call does."""
+    numba's dispatcher works out every argument's type on every call to pick the compiled version: about 0.05 µs
+    per array, 0.5 µs for the typed List of histories and 1-2 µs per named tuple of state arrays, 1-4 µs per call
+    of the append and propose kernels. Calling the entry point skips that, and is only correct while every
+    argument keeps its numba type: one `_Direct` per cache and kernel, called with the cache's own state (arrays,
+    their `OwnState` / `SharedState` bundles and the typed List, all fixed at construction), Python ints and bools
+    of fixed meaning, and arrays that went through `_fix`. The first call goes through the dispatcher (compiling
+    or loading the kernel); should numba's internals not offer the entry point, every call does."""
 
     __slots__ = ("kernel", "entry")
 

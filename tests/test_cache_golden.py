@@ -148,3 +148,43 @@ def test_every_input_kind_and_path_drafts_alike():
                 h.update(np.ascontiguousarray(a).tobytes())
         digests.add(h.hexdigest())
     assert len(digests) == 1
+
+
+def test_kernel_arguments_of_other_types_are_converted_not_misread():
+    """The private fast path takes whatever integer arrays a caller hands it (int32 slots, int64 tokens,
+    strided or read-only views): they are converted to the kernels' one argument type, drafts unchanged."""
+    reqs = _workload(11, 4)
+    a, b = NgramCache(**LARGE), NgramCache(**LARGE)
+    for rid, (prompt, _) in enumerate(reqs):
+        a.start_request(rid, prompt)
+        b.start_request(rid, prompt)
+    rids = list(range(len(reqs)))
+    for k in range(0, 30, 3):
+        chunks = [reqs[r][1][k:k + 3] for r in rids]
+        a.add_tokens_batch(rids, chunks)
+        slots = np.array(b._slots(rids), np.int64)
+        offsets = np.zeros(len(rids) + 1, np.int64)
+        np.cumsum([c.size for c in chunks], out=offsets[1:])
+        ro = np.concatenate(chunks).astype(np.int64)  # int64 tokens, read-only offsets, strided int32 slots
+        offsets.flags.writeable = False
+        b._append_flat(np.repeat(slots.astype(np.int32), 2)[::2], ro, offsets)
+        budgets = np.repeat(np.arange(3, 3 + len(rids), dtype=np.int64), 2)[::2]  # strided per-request budgets
+        da, db = a.propose(rids, budgets.tolist()), b.propose(rids, budgets)
+        for x, y in zip((da.tokens, da.parents, da.probs, da.sources, da.offsets, da.match_lens),
+                        (db.tokens, db.parents, db.probs, db.sources, db.offsets, db.match_lens)):
+            np.testing.assert_array_equal(x, y)
+        pa = a._propose_slots(np.array(a._slots(rids), np.int64), 5, True)
+        pb = b._propose_slots(np.array(b._slots(rids), np.int32)[::-1][::-1], 5, True)
+        np.testing.assert_array_equal(pa.tokens, pb.tokens)
+        np.testing.assert_array_equal(pa.parents, pb.parents)
+    np.testing.assert_array_equal(a.history(0), b.history(0))
+
+
+def test_direct_kernel_call_falls_back_to_the_dispatcher():
+    """Without numba's compiled overloads to call (a plain function here), `_Direct` calls the kernel itself."""
+    from ngramspec.cache import _Direct
+
+    calls = []
+    d = _Direct(lambda *args: calls.append(args) or len(calls))
+    assert (d(1, 2), d(3), d()) == (1, 2, 3)
+    assert calls == [(1, 2), (3,), ()]
