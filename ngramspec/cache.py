@@ -169,8 +169,8 @@ class NgramCache:
         self._own_state = _draft.OwnState(self._l_nodes, self._l_table, self._l_meta, self._roots, self._hlens,
                                           self._active, self._match, self._since, self._epoch_seen)
         self._shared_state = _draft.SharedState(self._s_nodes, self._s_table, self._s_root, self._arena)
-        self._append_kernel = _Direct(_draft.append_batch)  # (see _Direct: these skip numba's dispatch)
-        self._propose_kernel = _Direct(_draft.propose_batch)
+        self._append_kernel = _Direct(self, "_append_kernel", _draft.append_batch)  # (see _Direct: these
+        self._propose_kernel = _Direct(self, "_propose_kernel", _draft.propose_batch)  # skip numba's dispatch)
         self._budgets: dict[int, np.ndarray] = {}  # budget -> an array of it (read-only use), grown on demand
         self._one_slot = np.zeros(1, np.int64)  # kernel arguments of single-request calls, reused
         self._one_offsets = np.zeros(2, np.int64)
@@ -444,25 +444,25 @@ class _Direct:
     argument keeps its numba type: one `_Direct` per cache and kernel, called with the cache's own state (arrays,
     their `OwnState` / `SharedState` bundles and the typed List, all fixed at construction), Python ints and bools
     of fixed meaning, and arrays that went through `_fix`. The first call goes through the dispatcher (compiling
-    or loading the kernel); should numba's internals not offer the entry point, every call does."""
+    or loading the kernel) and then puts the entry point in its place, ``owner.<attr>``, so that later calls go
+    to it without even this object's frame; should numba's internals not offer it, the dispatcher goes there."""
 
-    __slots__ = ("kernel", "entry")
+    __slots__ = ("owner", "attr", "kernel")
 
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.entry = None
+    def __init__(self, owner, attr: str, kernel):
+        self.owner, self.attr, self.kernel = owner, attr, kernel
 
     def __call__(self, *args):
-        if self.entry is not None:
-            return self.entry(*args)
         out = self.kernel(*args)
         try:
             from numba.core.typing.typeof import Purpose, typeof
 
             sig = tuple(typeof(a, Purpose.argument) for a in args)
-            self.entry = self.kernel.overloads[sig].entry_point
+            entry = self.kernel.overloads[sig].entry_point
         except Exception:  # numba internals changed: keep the dispatcher
-            self.entry = self.kernel
+            entry = self.kernel
+        setattr(self.owner, self.attr, entry)
+        self.owner = None
         return out
 
 

@@ -184,7 +184,25 @@ def test_direct_kernel_call_falls_back_to_the_dispatcher():
     """Without numba's compiled overloads to call (a plain function here), `_Direct` calls the kernel itself."""
     from ngramspec.cache import _Direct
 
-    calls = []
-    d = _Direct(lambda *args: calls.append(args) or len(calls))
-    assert (d(1, 2), d(3), d()) == (1, 2, 3)
-    assert calls == [(1, 2), (3,), ()]
+    class Owner:
+        pass
+
+    calls, owner = [], Owner()
+
+    def kernel(*args):
+        calls.append(args)
+        return len(calls)
+
+    owner.k = _Direct(owner, "k", kernel)
+    assert (owner.k(1, 2), owner.k(3), owner.k()) == (1, 2, 3)
+    assert calls == [(1, 2), (3,), ()] and owner.k is kernel
+
+
+def test_direct_kernel_call_goes_to_the_entry_point():
+    """After its first call, a cache's kernel attribute is the compiled entry point (and drafts are as before)."""
+    cache = NgramCache(**LARGE)
+    cache.start_request(0, [1, 2, 3, 1, 2, 3, 1, 2])
+    first = cache.propose([0], 4)
+    assert type(cache._propose_kernel).__name__ != "_Direct" and type(cache._append_kernel).__name__ != "_Direct"
+    again = cache.propose([0], 4)
+    assert first.tokens.tolist() == again.tokens.tolist() == [3, 1, 2, 3]
