@@ -1,6 +1,8 @@
 """Numba kernels that turn trie matches into drafts (chain or best-first tree) and index whole batches."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
@@ -18,6 +20,63 @@ from ngramspec._trie import (
 
 SRC_LOCAL, SRC_SHARED = 0, 1
 MAX_BRANCH = 32  # children considered per tree node: keeps scratch linear in the budget
+
+
+class OwnState(NamedTuple):
+    """A cache's per-request state, as the kernels take it: the per-request tries (one node pool, a root per
+    request) and, per slot, the history length and the bookkeeping of incremental matching. (The histories
+    themselves, a typed List, travel beside it: inside a tuple, numba's dispatcher types a typed List about 30
+    times slower.)"""
+
+    nodes: np.ndarray  # int32 [N, NODE_FIELDS]: the per-request tries' node pool
+    table: np.ndarray  # int32 [H]: its hash table
+    meta: np.ndarray  # int64 [5]: its free list and counters
+    roots: np.ndarray  # int32 [R]: each slot's trie root (-1: free slot)
+    hlens: np.ndarray  # int64 [R]: tokens in each history
+    active: np.ndarray  # int32 [R, D]: each slot's open trie positions (insert_token's state)
+    match_len: np.ndarray  # int64 [R, 2]: last match length in own history / in the shared cache
+    since: np.ndarray  # int64 [R]: tokens appended since the last proposal
+    epoch_seen: np.ndarray  # int64 [R]: the shared cache's epoch at the last proposal
+
+
+class SharedState(NamedTuple):
+    """The shared cache as the kernels read it: one trie over the token ring of finished outputs."""
+
+    nodes: np.ndarray
+    table: np.ndarray
+    root: int
+    arena: np.ndarray  # int32 token ring
+
+
+class TreeScratch(NamedTuple):
+    """`draft_tree`'s scratch, allocated once per batch (`tree_scratch`). Candidates (``c_*``: token, parent
+    draft node, trie position, path probability) live in a max-heap of candidate indices (``h_*``: probability,
+    insertion sequence for deterministic ties, candidate index); ``t_*`` receives one node's continuations (only
+    the first MAX_BRANCH entries are used)."""
+
+    c_tok: np.ndarray
+    c_par: np.ndarray
+    c_node: np.ndarray
+    c_off: np.ndarray
+    c_prob: np.ndarray
+    h_prob: np.ndarray
+    h_seq: np.ndarray
+    h_idx: np.ndarray
+    t_tok: np.ndarray
+    t_node: np.ndarray
+    t_off: np.ndarray
+    t_cnt: np.ndarray
+
+
+@njit(cache=True)
+def tree_scratch(max_budget):
+    """Scratch for trees of up to ``max_budget`` nodes: each drafted node adds at most MAX_BRANCH candidates."""
+    cap = max_budget * (min(max_budget, MAX_BRANCH) + 1) + 1
+    ci = np.empty((5, cap), np.int32)
+    cf = np.empty((2, cap), np.float64)
+    t = np.empty((4, MAX_BRANCH), np.int32)
+    return TreeScratch(ci[0], ci[1], ci[2], ci[3], cf[0], cf[1], np.empty(cap, np.int64), ci[4],
+                       t[0], t[1], t[2], t[3])
 
 
 @njit(cache=True)
@@ -143,13 +202,14 @@ def _heap_pop(h_prob, h_seq, h_idx, size):
 
 @njit(cache=True)
 def draft_tree(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_depth,
-               buf, o_tok, o_par, o_prob, base, si, sf, h_seq):
+               buf, o_tok, o_par, o_prob, base, sc):
     """Best-first tree: repeatedly add the frontier node of highest path probability (product of empirical
     conditional frequencies). Output is in that order, so parents precede children, probabilities never grow
-    along a path, and every prefix of the output is the best tree of its size. Returns the node count."""
-    c_tok, c_par, c_node, c_off, h_idx = si[0], si[1], si[2], si[3], si[4]  # candidates and heap, scratch
-    t_tok, t_node, t_off, t_cnt = si[5], si[6], si[7], si[8]  # (only the first MAX_BRANCH entries are used)
-    c_prob, h_prob = sf[0], sf[1]
+    along a path, and every prefix of the output is the best tree of its size. Returns the node count.
+    ``sc``: a `TreeScratch` for at least ``budget`` nodes."""
+    c_tok, c_par, c_node, c_off, c_prob = sc.c_tok, sc.c_par, sc.c_node, sc.c_off, sc.c_prob
+    h_prob, h_seq, h_idx = sc.h_prob, sc.h_seq, sc.h_idx
+    t_tok, t_node, t_off, t_cnt = sc.t_tok, sc.t_node, sc.t_off, sc.t_cnt
     ctx = min(hlen, max_depth - 1)
     ncand = 0
     hsize = 0
@@ -197,12 +257,11 @@ def draft_tree(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_
 
 
 @njit(cache=True)
-def propose_batch(slots, budgets, tree, max_depth,
-                  l_nodes, l_table, roots, hists, hlens,
-                  s_nodes, s_table, s_root, s_arena,
-                  match_len, since, epoch_seen, epoch, use_shared,
+def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared,
                   o_tok, o_par, o_prob, o_src, offsets, o_mlen):
     """Draft for every request of a batch in one call. Output is flat; request i owns offsets[i]:offsets[i+1].
+    ``own``: `OwnState`; ``hists``: the token histories (typed List, by slot); ``shared``: `SharedState`, used
+    when ``use_shared``; ``epoch``: the shared cache's.
 
     Source choice: the longer match wins (own history vs shared cache); on a tie, own history. Match lengths are
     found incrementally: a match can grow by at most the number of tokens added since the last proposal (also
@@ -210,15 +269,15 @@ def propose_batch(slots, budgets, tree, max_depth,
     shared cache's changes (new finished requests) force a full-depth search. The bound only saves work: a
     draft is a function of the tokens fed, never of when or how often ``propose`` was called.
     """
+    l_nodes, l_table, roots, hlens = own.nodes, own.table, own.roots, own.hlens
+    match_len, since, epoch_seen = own.match_len, own.since, own.epoch_seen
+    s_nodes, s_table, s_root, s_arena = shared.nodes, shared.table, shared.root, shared.arena
     B = slots.shape[0]
     maxb = 1
     for i in range(B):
         maxb = max(maxb, budgets[i])
     buf = np.empty(max_depth + maxb + 1, np.int32)
-    cap = maxb * (min(maxb, MAX_BRANCH) + 1) + 1
-    si = np.empty((9, cap), np.int32)
-    sf = np.empty((2, cap), np.float64)
-    h_seq = np.empty(cap, np.int64)
+    sc = tree_scratch(maxb)
     s_alen = s_arena.shape[0]
     pos = 0
     offsets[0] = 0
@@ -243,7 +302,7 @@ def propose_batch(slots, budgets, tree, max_depth,
         if ml > 0 and ml >= ms:
             if tree:
                 k = draft_tree(l_nodes, l_table, roots[r], hist, hlen, ln, loff, hist, hlen, budgets[i],
-                               max_depth, buf, o_tok, o_par, o_prob, pos, si, sf, h_seq)
+                               max_depth, buf, o_tok, o_par, o_prob, pos, sc)
             else:
                 k = draft_chain(l_nodes, l_table, roots[r], hist, hlen, ln, loff, hist, hlen, budgets[i],
                                 max_depth, buf, o_tok, o_par, o_prob, pos)
@@ -251,7 +310,7 @@ def propose_batch(slots, budgets, tree, max_depth,
             src = SRC_SHARED
             if tree:
                 k = draft_tree(s_nodes, s_table, s_root, s_arena, s_alen, sn, soff, hist, hlen, budgets[i],
-                               max_depth, buf, o_tok, o_par, o_prob, pos, si, sf, h_seq)
+                               max_depth, buf, o_tok, o_par, o_prob, pos, sc)
             else:
                 k = draft_chain(s_nodes, s_table, s_root, s_arena, s_alen, sn, soff, hist, hlen, budgets[i],
                                 max_depth, buf, o_tok, o_par, o_prob, pos)
@@ -263,8 +322,20 @@ def propose_batch(slots, budgets, tree, max_depth,
 
 
 @njit(cache=True)
-def append_batch(slots, flat, offsets, max_depth, l_nodes, l_table, l_meta, roots, hists, hlens, active, since):
-    """Append each request's new tokens to its history and index them in its own trie (O(D) per token)."""
+def append_batch(slots, flat, offsets, max_depth, own, hists):
+    """Append each request's new tokens ``flat[offsets[i]:offsets[i+1]]`` to its history and index them in its
+    own trie (O(D) per token); ``own``: `OwnState`, ``hists``: the histories. Checks first and changes nothing
+    when a check fails: returns -1 - j when ``flat[j]`` is negative (not a token id), 1 + i for the first
+    request i whose history array has no room for its new tokens (the caller grows it and calls again), 0 when
+    the tokens were appended."""
+    hlens = own.hlens
+    for j in range(flat.shape[0]):
+        if flat[j] < 0:
+            return -1 - j
+    for i in range(slots.shape[0]):
+        r = slots[i]
+        if hlens[r] + offsets[i + 1] - offsets[i] > hists[r].shape[0]:
+            return 1 + i
     for i in range(slots.shape[0]):
         r = slots[i]
         hist = hists[r]
@@ -272,5 +343,6 @@ def append_batch(slots, flat, offsets, max_depth, l_nodes, l_table, l_meta, root
             p = hlens[r]
             hist[p] = flat[j]
             hlens[r] = p + 1
-            insert_token(l_nodes, l_table, l_meta, roots[r], active[r], hist, p + 1, p, max_depth)
-        since[r] += offsets[i + 1] - offsets[i]
+            insert_token(own.nodes, own.table, own.meta, own.roots[r], own.active[r], hist, p + 1, p, max_depth)
+        own.since[r] += offsets[i + 1] - offsets[i]
+    return 0

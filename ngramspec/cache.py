@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
-from numba import njit, typed
+from numba import typed
 
 from ngramspec import _draft, _shared, _trie
 
@@ -66,6 +67,18 @@ class DraftBatch:
     def draft(self, i: int) -> Draft:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Draft(self.tokens[a:b], self.parents[a:b], self.probs[a:b], self.sources[a:b])
+
+
+_new_batch = object.__new__
+
+
+def _draft_batch(tokens, parents, probs, sources, offsets, match_lens) -> DraftBatch:
+    """``DraftBatch(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (a third of the cost on
+    the per-step path); the result is an ordinary, equal DraftBatch."""
+    b = _new_batch(DraftBatch)
+    b.__dict__.update(tokens=tokens, parents=parents, probs=probs, sources=sources, offsets=offsets,
+                      match_lens=match_lens)
+    return b
 
 
 def _is_int(t) -> bool:
@@ -147,13 +160,20 @@ class NgramCache:
         empty = np.zeros(1, dtype=np.int32)
         self._hists = typed.List([empty for _ in range(R)])  # for the jitted kernels
         self._hist_arrays = [empty] * R  # the same arrays: typed.List is slow to index from Python
-        self._hcap = np.ones(R, dtype=np.int64)  # their sizes
         self._scratch = np.empty(int(local_nodes), dtype=np.int32)
         self._share_active = np.full(D, -1, dtype=np.int32)
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(R - 1, -1, -1))
         self._out = None  # reused output buffers of _propose_slots, grown on demand
-        self._out_budget = 0
+        self._out_views: dict[tuple[int, int], tuple] = {}  # views of them per (batch size, budget)
+        self._own_state = _draft.OwnState(self._l_nodes, self._l_table, self._l_meta, self._roots, self._hlens,
+                                          self._active, self._match, self._since, self._epoch_seen)
+        self._shared_state = _draft.SharedState(self._s_nodes, self._s_table, self._s_root, self._arena)
+        self._append_kernel = _Direct(self, "_append_kernel", _draft.append_batch)  # (see _Direct: these
+        self._propose_kernel = _Direct(self, "_propose_kernel", _draft.propose_batch)  # skip numba's dispatch)
+        self._budgets: dict[int, np.ndarray] = {}  # budget -> an array of it (read-only use), grown on demand
+        self._one_slot = np.zeros(1, np.int64)  # kernel arguments of single-request calls, reused
+        self._one_offsets = np.zeros(2, np.int64)
 
     # ----------------------------------------------------------------------------------------------- verbs
     def start_request(self, rid: Hashable, prompt) -> None:
@@ -177,7 +197,7 @@ class NgramCache:
         self._since[slot] = 0
         self._epoch_seen[slot] = -1
         self._set_hist(slot, np.empty(max(64, 2 * toks.size), dtype=np.int32))
-        self._append([slot], toks, [toks.size])
+        self._append_flat(np.array((slot,), np.int64), toks, np.array((0, toks.size), np.int64))
 
     def add_tokens(self, rid: Hashable, tokens) -> None:
         """Append tokens the model committed for ``rid`` (accepted draft tokens + the bonus token)."""
@@ -186,57 +206,54 @@ class NgramCache:
     def add_tokens_batch(self, rids: Sequence[Hashable], token_lists: Sequence) -> None:
         """``add_tokens`` for a whole batch in one jitted call. Validates everything before changing anything."""
         slots = self._slots(rids)
-        if isinstance(token_lists, (str, bytes)) or not isinstance(token_lists, (Sequence, np.ndarray)):
+        if type(token_lists) is not list and (isinstance(token_lists, (str, bytes))
+                                              or not isinstance(token_lists, (Sequence, np.ndarray))):
             raise TypeError(f"token_lists must be a list with one token list per request, got "
                             f"{type(token_lists).__name__}")
-        if len(rids) != len(token_lists):
+        B = len(slots)
+        if B != len(token_lists):
             raise ValueError(f"{len(rids)} request ids but {len(token_lists)} token lists")
-        if len(set(slots)) != len(slots):
+        if B > 1 and len(set(slots)) != B:
             raise ValueError("a request id appears twice in one batch")
-        flat = None
-        try:  # the common cases, validated in one pass over the whole batch
-            if all(type(t) is list for t in token_lists):
-                flat = as_tokens([x for t in token_lists for x in t], "tokens")
-                lengths = [len(t) for t in token_lists]
-            elif token_lists and all(isinstance(t, np.ndarray) and t.ndim == 1 and t.dtype.kind in "iu"
-                                     for t in token_lists):
-                flat = as_tokens(np.concatenate(token_lists), "tokens")
-                lengths = [t.size for t in token_lists]
-        except (TypeError, ValueError):
-            flat = None  # validate request by request below, for an error that names the request
-        if flat is None:
-            arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
-            flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
-            lengths = [a.size for a in arrays]
-        self._append(slots, flat, lengths)
+        slots_arr = self._slot_array(slots)
+        flat = _flatten(token_lists)  # the common cases, checked in one pass over the whole batch
+        if flat is not None:
+            try:
+                return self._append(slots_arr, flat, self._offsets([len(t) for t in token_lists]))
+            except _NegativeToken:
+                pass  # nothing changed: validate below, for an error that names the request
+        arrays = [as_tokens(t, f"tokens of request {rid!r}") for rid, t in zip(rids, token_lists)]
+        flat = arrays[0] if B == 1 else np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+        self._append_flat(slots_arr, flat, self._offsets([a.size for a in arrays]))
 
     def propose(self, rids: Sequence[Hashable], budgets=8, tree: bool = True) -> DraftBatch:
         """Draft up to ``budgets[i]`` tokens for each request (a chain when ``tree`` is False)."""
         slots = self._slots(rids)
         B = len(slots)
-        if len(set(slots)) != B:
+        if B > 1 and len(set(slots)) != B:
             raise ValueError("a request id appears twice in one batch")
-        if np.ndim(budgets) == 0:
-            budgets = [budgets] * B
-        if np.ndim(budgets) != 1 or len(budgets) != B:
-            raise ValueError(f"budgets must be one integer or one per request ({B}), got {budgets!r}")
-        if not all(_is_int(b) and 1 <= b <= MAX_BUDGET for b in budgets):
-            raise ValueError(f"budgets must be integers in [1, {MAX_BUDGET}], got {list(budgets)!r}")
-        bud = np.asarray(budgets, dtype=np.int64).reshape(B)
-        total = int(bud.sum())
+        if type(budgets) is int and 1 <= budgets <= MAX_BUDGET:  # the common case: one budget for all
+            bud = self._uniform_budgets(budgets, B)
+            total = budgets * B
+        else:
+            if np.ndim(budgets) == 0:
+                budgets = [budgets] * B
+            if np.ndim(budgets) != 1 or len(budgets) != B:
+                raise ValueError(f"budgets must be one integer or one per request ({B}), got {budgets!r}")
+            if not all(_is_int(b) and 1 <= b <= MAX_BUDGET for b in budgets):
+                raise ValueError(f"budgets must be integers in [1, {MAX_BUDGET}], got {list(budgets)!r}")
+            bud = _fix(np.asarray(budgets, dtype=np.int64).reshape(B), _I64)
+            total = int(bud.sum())
         o_tok = np.empty(total, np.int32)
         o_par = np.empty(total, np.int32)
         o_prob = np.empty(total, np.float32)
         o_src = np.empty(total, np.int8)
         offsets = np.empty(B + 1, np.int64)
-        mlens = np.zeros(B, np.int64)
-        n = _draft.propose_batch(
-            np.asarray(slots, dtype=np.int64), bud, bool(tree), self.max_depth,
-            self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
-            self._s_nodes, self._s_table, self._s_root, self._arena,
-            self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
-            o_tok, o_par, o_prob, o_src, offsets, mlens)
-        return DraftBatch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
+        mlens = np.empty(B, np.int64)
+        n = self._propose_kernel(self._slot_array(slots), bud, bool(tree), self.max_depth, self.use_shared,
+                                 int(self._ring[_shared.S_EPOCH]), self._own_state, self._hists, self._shared_state,
+                                 o_tok, o_par, o_prob, o_src, offsets, mlens)
+        return _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
 
     def finish_request(self, rid: Hashable, share: bool = True) -> None:
         """Free the request's state; with ``share`` its output (tokens after the prompt) joins the shared cache."""
@@ -319,8 +336,8 @@ class NgramCache:
         return (int(self._ring[_shared.S_HEAD]) + np.arange(int(self._ring[_shared.S_COUNT]))) % n_seg
 
     def _slots(self, rids: Sequence[Hashable]) -> list[int]:
-        if (isinstance(rids, (str, bytes)) or not isinstance(rids, (Sequence, np.ndarray))
-                or (isinstance(rids, np.ndarray) and rids.ndim != 1)):
+        if type(rids) is not list and (isinstance(rids, (str, bytes)) or not isinstance(rids, (Sequence, np.ndarray))
+                                       or (isinstance(rids, np.ndarray) and rids.ndim != 1)):
             raise TypeError(f"request ids must come as a list (one per request, e.g. [rid]), got "
                             f"{type(rids).__name__} {rids!r}")
         try:
@@ -333,57 +350,152 @@ class NgramCache:
     def _set_hist(self, slot: int, arr: np.ndarray) -> None:
         self._hists[slot] = arr
         self._hist_arrays[slot] = arr
-        self._hcap[slot] = arr.size
 
-    def _append(self, slots: list[int], flat: np.ndarray, lengths: list[int]) -> None:
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        self._append_flat(np.asarray(slots, dtype=np.int64), flat, offsets)
+    def _slot_array(self, slots: list[int]) -> np.ndarray:
+        """``slots`` as an int64 array; a single slot in a kept buffer (valid until the next call)."""
+        if len(slots) == 1:
+            self._one_slot[0] = slots[0]
+            return self._one_slot
+        return np.array(slots, np.int64)
+
+    def _offsets(self, lengths: list[int]) -> np.ndarray:
+        """Offsets of consecutive ``lengths`` (int64, from 0); for one length in a kept buffer."""
+        if len(lengths) == 1:
+            self._one_offsets[1] = lengths[0]
+            return self._one_offsets
+        return np.array((0, *accumulate(lengths)), np.int64)
 
     def _append_flat(self, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
-        """Append validated tokens ``flat[offsets[i]:offsets[i+1]]`` to slot ``slots[i]`` (one kernel call)."""
-        i = _hist_short(slots, offsets, self._hcap, self._hlens)
-        while i >= 0:  # grow the histories that lack room (doubling), then check again from there
+        """Append tokens ``flat[offsets[i]:offsets[i+1]]`` (int32, validated but for negative ids: those raise
+        ValueError and change nothing) to slot ``slots[i]``. One kernel call, and one more per history array
+        that has to grow first."""
+        self._append(_fix(slots, _I64), _fix(flat, _I32), _fix(offsets, _I64))
+
+    def _append(self, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
+        """`_append_flat` for `_fixed` arrays."""
+        while True:
+            code = self._append_kernel(slots, flat, offsets, self.max_depth, self._own_state, self._hists)
+            if code == 0:
+                return
+            if code < 0:
+                raise _NegativeToken(f"tokens: token id {int(flat[-1 - code])} is out of range "
+                                     f"[0, {MAX_TOKEN + 1})")
+            # nothing was appended: request code - 1 lacks room; grow its history (doubling) and try again
+            i = code - 1
             slot = int(slots[i])
             n, k = int(self._hlens[slot]), int(offsets[i + 1] - offsets[i])
             hist = self._hist_arrays[slot]
             grown = np.empty(max(n + k, 2 * hist.size), dtype=np.int32)
             grown[:n] = hist[:n]
             self._set_hist(slot, grown)
-            i = _hist_short(slots, offsets, self._hcap, self._hlens)
-        _draft.append_batch(slots, flat, offsets, self.max_depth, self._l_nodes,
-                            self._l_table, self._l_meta, self._roots, self._hists, self._hlens, self._active,
-                            self._since)
+
+    def _uniform_budgets(self, budget: int, B: int) -> np.ndarray:
+        """An int64 array of ``B`` times ``budget``: a view of a kept array (the kernels only read it)."""
+        bud = self._budgets.get(budget)
+        if bud is None or bud.shape[0] < B:
+            if len(self._budgets) >= 64:
+                self._budgets.clear()
+            bud = self._budgets[budget] = np.full(max(B, 64), budget, np.int64)
+        return bud[:B]
 
     def _propose_slots(self, slots: np.ndarray, budget: int, tree: bool) -> DraftBatch:
         """``propose`` for validated, distinct slots and one budget, into reused output buffers: the returned
         arrays are views that the next call overwrites (the controller's ``step`` copies what it keeps)."""
         B = slots.shape[0]
-        buf = self._out
-        if buf is None or buf[0].shape[0] < B * budget or buf[4].shape[0] < B + 1 or self._out_budget != budget:
+        out = self._out
+        if out is None or out[0].shape[0] < B * budget or out[4].shape[0] < B + 1:
             n, m = max(B * budget, 1024), max(B + 1, 64)
-            buf = self._out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
-                               np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64),
-                               np.full(m, budget, np.int64))
-            self._out_budget = budget
-        o_tok, o_par, o_prob, o_src, offsets, mlens, bud = buf
-        offsets, mlens = offsets[: B + 1], mlens[:B]
-        n = _draft.propose_batch(
-            slots, bud[:B], bool(tree), self.max_depth,
-            self._l_nodes, self._l_table, self._roots, self._hists, self._hlens,
-            self._s_nodes, self._s_table, self._s_root, self._arena,
-            self._match, self._since, self._epoch_seen, int(self._ring[_shared.S_EPOCH]), self.use_shared,
-            o_tok, o_par, o_prob, o_src, offsets, mlens)
-        return DraftBatch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
+            out = self._out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
+                               np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64))
+            self._out_views = {}
+        views = self._out_views.get((B, budget))
+        if views is None:  # (per batch size and budget: offsets, match lengths and budgets for B requests)
+            if len(self._out_views) >= 256:
+                self._out_views.clear()
+            views = self._out_views[B, budget] = (out[4][: B + 1], out[5][:B], self._uniform_budgets(budget, B))
+        o_tok, o_par, o_prob, o_src = out[0], out[1], out[2], out[3]
+        offsets, mlens, bud = views
+        n = self._propose_kernel(_fix(slots, _I64), bud, bool(tree), self.max_depth, self.use_shared,
+                                 int(self._ring[_shared.S_EPOCH]), self._own_state, self._hists, self._shared_state,
+                                 o_tok, o_par, o_prob, o_src, offsets, mlens)
+        return _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
 
-@njit(cache=True)
-def _hist_short(slots, offsets, hcap, hlens):
-    """The first request whose history has no room for its new tokens, or -1."""
-    for i in range(slots.shape[0]):
-        r = slots[i]
-        if hlens[r] + offsets[i + 1] - offsets[i] > hcap[r]:
-            return i
-    return -1
+
+_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
+
+
+def _fixed(a, dtype: np.dtype) -> bool:
+    """Whether ``a`` has the one numba type the `_Direct` kernels take for an array argument: a 1-D,
+    C-contiguous, aligned, writeable base ndarray of the native ``dtype``."""
+    return type(a) is np.ndarray and a.dtype is dtype and a.ndim == 1 and a.flags.carray
+
+
+def _fix(a, dtype: np.dtype) -> np.ndarray:
+    """``a`` itself when it is `_fixed`, else a `_fixed` copy."""
+    return a if _fixed(a, dtype) else np.array(a, dtype=dtype, order="C").reshape(-1)
+
+
+class _Direct:
+    """A jitted kernel called through the compiled entry point of the argument types of its first call.
+
+    numba's dispatcher works out every argument's type on every call to pick the compiled version: about 0.05 µs
+    per array, 0.5 µs for the typed List of histories and 1-2 µs per named tuple of state arrays, 1-4 µs per call
+    of the append and propose kernels. Calling the entry point skips that, and is only correct while every
+    argument keeps its numba type: one `_Direct` per cache and kernel, called with the cache's own state (arrays,
+    their `OwnState` / `SharedState` bundles and the typed List, all fixed at construction), Python ints and bools
+    of fixed meaning, and arrays that went through `_fix`. The first call goes through the dispatcher (compiling
+    or loading the kernel) and then puts the entry point in its place, ``owner.<attr>``, so that later calls go
+    to it without even this object's frame; should numba's internals not offer it, the dispatcher goes there."""
+
+    __slots__ = ("owner", "attr", "kernel")
+
+    def __init__(self, owner, attr: str, kernel):
+        self.owner, self.attr, self.kernel = owner, attr, kernel
+
+    def __call__(self, *args):
+        out = self.kernel(*args)
+        try:
+            from numba.core.typing.typeof import Purpose, typeof
+
+            sig = tuple(typeof(a, Purpose.argument) for a in args)
+            entry = self.kernel.overloads[sig].entry_point
+        except Exception:  # numba internals changed: keep the dispatcher
+            entry = self.kernel
+        setattr(self.owner, self.attr, entry)
+        self.owner = None
+        return out
+
+
+class _NegativeToken(ValueError):
+    """A negative token id reached the append kernel (which then changed nothing)."""
+
+
+def _flatten(token_lists) -> np.ndarray | None:
+    """The common kinds of batch input (lists of Python ints; 1-D integer arrays) as one `_fixed` int32 array,
+    checked but for negative ids (the append kernel checks those). None for other kinds or for invalid tokens."""
+    if len(token_lists) == 1 and type(token_lists[0]) is np.ndarray:
+        t = token_lists[0]
+        if t.dtype is _I32 and t.ndim == 1 and t.flags.carray:
+            return t  # (the kernel only reads it)
+    if all(type(t) is list for t in token_lists):
+        items = [x for t in token_lists for x in t]
+        if not items:
+            return np.zeros(0, np.int32)
+        if all(type(x) is int for x in items):
+            return np.array(items, np.int32) if min(items) >= 0 and max(items) <= MAX_TOKEN else None
+        try:
+            return as_tokens(items, "tokens")
+        except (TypeError, ValueError):
+            return None
+    if token_lists and all(isinstance(t, np.ndarray) and t.ndim == 1 and t.dtype.kind in "iu" for t in token_lists):
+        flat = np.concatenate(token_lists)
+        if flat.dtype is _I32:
+            return flat
+        try:
+            return as_tokens(flat, "tokens")
+        except ValueError:
+            return None
+    return None
 
 
 def warm_up() -> None:

@@ -141,11 +141,13 @@ class IntervalStats:
     observed_requests: int = 0
     realized_accepted: int = 0
 
-    def record_step(self, plan: StepPlan) -> None:
+    def record_step(self, plan: StepPlan, drafted: Sequence[int] | None = None) -> None:
+        """Count a planned step; ``drafted``: ``plan.drafted`` as a list, when the caller has it."""
+        B = int(plan.drafted.size)
         self.verify_steps += 1
-        self.verified_requests += int(plan.drafted.size)
-        self.width_tokens += plan.width * int(plan.drafted.size)
-        self.drafted_tokens += int(plan.drafted.sum())
+        self.verified_requests += B
+        self.width_tokens += plan.width * B
+        self.drafted_tokens += int(plan.drafted.sum()) if drafted is None else sum(drafted)
         self.expected_tokens += float(plan.expected_tokens)
 
     def record_outcome(self, accepted) -> None:
@@ -238,9 +240,10 @@ class DraftPlanner:
             decision = ctl.plan(rids, batch, waiting=waiting)
         plan = self._build(views, batch, decision)
         last = self._last
-        for rid, total, k in zip(rids, totals, plan.drafted.tolist()):
+        drafted = plan.drafted.tolist()
+        for rid, total, k in zip(rids, totals, drafted):
             last[rid] = (total, k)
-        self.stats.record_step(plan)
+        self.stats.record_step(plan, drafted)
         return plan
 
     def record_duration(self, width: int, batch_size: int, seconds: float) -> None:
