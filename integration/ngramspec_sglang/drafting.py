@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from ngramspec.cache import DraftBatch, NgramCache
-from ngramspec.controller import AdaptiveController
+from ngramspec.controller import AdaptiveController, FixedWidthController
 from ngramspec.layout import layout_flat
 
 from .config import AdaptiveConfig
@@ -71,38 +71,9 @@ class DurationSample:
     seconds: float
 
 
-class FixedWidthController:
-    """Verify every step at one width; each request sends as many draft nodes as fit (width - 1).
-
-    Same interface as `ngramspec.controller.AdaptiveController` (start, finish, plan, observe_tokens,
-    observe_step); used for `fixed_width` A/B runs."""
-
-    def __init__(self, width: int):
-        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
-            raise ValueError(f"width must be an int >= 1, got {width!r}")
-        self.width = width
-
-    def start(self, rid) -> None:
-        pass
-
-    def finish(self, rid) -> None:
-        pass
-
-    def plan(self, rids, batch, waiting=None):
-        from ngramspec.controller import Plan
-
-        lengths = np.minimum(np.diff(batch.offsets), self.width - 1)
-        return Plan(self.width, lengths, float(len(rids)), 1.0, "fixed")
-
-    def observe_tokens(self, rid, committed) -> None:
-        pass
-
-    def observe_step(self, batch: int, width: int, duration_ms: float) -> None:
-        pass
-
-
 def make_controller(config: AdaptiveConfig):
-    """`ngramspec.controller.AdaptiveController` over the configured widths, or a fixed width."""
+    """`ngramspec.controller.AdaptiveController` over the configured widths, or a fixed width
+    (`ngramspec.controller.FixedWidthController`)."""
     if config.fixed_width is not None:
         return FixedWidthController(config.fixed_width)
     from ngramspec.controller import AdaptiveController

@@ -346,16 +346,10 @@ print(t1 - t0, t2 - t1)
     assert first < 0.05 and second < 0.05, (first, second)
 
 
-@pytest.mark.parametrize("width", [1, 2, 4, 9])
-def test_the_plugins_fixed_width_controller_plans_as_the_core_one(width):
-    """drafting.py keeps its own FixedWidthController for now; it must plan exactly as the core's."""
+def test_the_plugin_uses_the_cores_fixed_width_controller():
+    """One fixed-width controller: the plugin's fixed_width knob builds the core's class."""
     from ngramspec.controller import FixedWidthController as CoreFixedWidth
 
-    cache = NgramCache(max_depth=8)
-    for rid, prompt in (("a", [1, 2, 3, 1, 2, 3, 1, 2]), ("b", [5, 6]), ("c", [7, 8, 7, 8, 7])):
-        cache.start_request(rid, prompt)
-    batch = cache.propose(["a", "b", "c"], 6)
-    ours, core = FixedWidthController(width).plan(["a", "b", "c"], batch), CoreFixedWidth(width).plan(
-        ["a", "b", "c"], batch)
-    assert (ours.width, ours.lengths.tolist(), ours.expected, ours.cost, ours.reason) == \
-        (core.width, core.lengths.tolist(), core.expected, core.cost, core.reason)
+    assert FixedWidthController is CoreFixedWidth
+    ctl = make_controller(AdaptiveConfig(widths=(1, 4), fixed_width=4))
+    assert type(ctl) is CoreFixedWidth and ctl.width == 4
