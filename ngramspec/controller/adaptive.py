@@ -61,7 +61,7 @@ from typing import Hashable, NamedTuple, Sequence
 import numpy as np
 from numba import njit
 
-from ngramspec.cache import MAX_TOKEN, DraftBatch, as_tokens
+from ngramspec.cache import MAX_TOKEN, DraftBatch, _Direct, as_tokens
 from ngramspec.controller.calibration import (
     Calibration,
     Pending,
@@ -224,6 +224,9 @@ class AdaptiveController:
         # per-step scratch, grown on demand
         W = len(widths)
         self._sc = Scratch(np.zeros(64, np.int64), np.zeros(64), np.zeros((8, W)), np.zeros(W), np.zeros(W))
+        # `step` calls the step kernel through its compiled entry point (see ngramspec.cache._Direct): every
+        # argument there has one fixed numba type (the cache's output buffers, this controller's own arrays)
+        self._step_direct = _Direct(self, "_step_direct", _step_kernel)
         self._tok_buf = np.zeros(256, np.int32)
         self._off_buf = np.zeros(9, np.int64)
         self.trace: deque = deque(maxlen=int(trace_len))
@@ -318,8 +321,10 @@ class AdaptiveController:
             return Plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
         return self._plan(slots, batch, waiting)
 
-    def _plan(self, slots: np.ndarray, batch: DraftBatch, waiting, toks=None, offs=None) -> Plan:
-        """Observe ``toks``/``offs`` (tokens committed per request since the last step; None: none), then plan."""
+    def _plan(self, slots: np.ndarray, batch: DraftBatch, waiting, toks=None, offs=None, from_cache=False) -> Plan:
+        """Observe ``toks``/``offs`` (tokens committed per request since the last step; None: none), then plan.
+        ``from_cache``: ``batch`` came from the cache's own output buffers (arrays of one fixed numba type each),
+        so the step kernel may be called through its compiled entry point."""
         B = len(slots)
         offsets = batch.offsets
         n = int(offsets[B])
@@ -334,7 +339,7 @@ class AdaptiveController:
         if toks is None:
             toks, offs = _NO_TOKENS, _NO_OFFSETS
         while True:
-            wi, why, need_d, need_n = _step_kernel(
+            wi, why, need_d, need_n = (self._step_direct if from_cache else _step_kernel)(
                 slots, toks, offs, batch.parents, batch.probs, batch.sources, batch.tokens, offsets,
                 batch.match_lens, self._pend, self.request_alpha, self.calibration, self.prior_mean,
                 self.prior_strength, self._widths, row, waiting == 0 and B > 1, self.min_gain, may_explore,
@@ -429,7 +434,7 @@ class AdaptiveController:
         batch = cache._propose_slots(cslots, max(1, self.max_width - 1), bool(tree))
         if B == 0:
             return batch, Plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
-        return batch, self._plan(slots, batch, waiting, toks, offs)
+        return batch, self._plan(slots, batch, waiting, toks, offs, from_cache=True)
 
     # ----------------------------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, np.ndarray]:

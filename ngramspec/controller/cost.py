@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 from numba import njit
 
+from ngramspec.cache import _Direct
 from ngramspec.controller.protocol import DEFAULT_WIDTHS, check_widths, is_int
 
 
@@ -293,6 +294,19 @@ def _cost_near(s, B, widths, clock, stale_after, measured, stale):
         stale[wi] = found and stale_after > 0 and clock - newest > stale_after
 
 
+@njit(cache=True)
+def _cost_row_all(s, B, widths, clock, stale_after, costs, measured, stale, implied, tmp):
+    """A whole `CostRow` in one call: ``_cost_row`` into ``costs``, ``_cost_near`` into ``measured`` / ``stale``,
+    and ``implied``: ``costs``, but for a stale width the estimate the other widths imply for it."""
+    _cost_row(s, B, widths, -1, costs)
+    _cost_near(s, B, widths, clock, stale_after, measured, stale)
+    for wi in range(widths.shape[0]):
+        implied[wi] = costs[wi]
+        if stale[wi]:
+            _cost_row(s, B, widths, wi, tmp)
+            implied[wi] = tmp[wi]
+
+
 class CostModel:
     """Online c(B, n) over the verify widths ``widths``. A measured (B, n) is a moving average of its samples,
     each update clipped to a factor ``clip`` of the current value (``clip=None``: plain EWMA). An unmeasured
@@ -324,6 +338,9 @@ class CostModel:
                                global_ratio=np.zeros(1), has_global=np.zeros(1, np.bool_))
         self._prior_rows = 0  # rows of state.prior filled (batch sizes 1 .. _prior_rows - 1)
         self._rows: dict = {}
+        # the kernels through their compiled entry points (numba's per-call dispatch costs a few us; see _Direct)
+        self._observe_kernel = _Direct(self, "_observe_kernel", _cost_observe)
+        self._row_kernel = _Direct(self, "_row_kernel", _cost_row_all)
 
     def _ensure(self, batch: int) -> None:
         """Grow the tables to hold batch size ``batch`` and tabulate the prior up to it."""
@@ -368,7 +385,7 @@ class CostModel:
         if batch_bucket(batch) > 1 << 36:
             raise ValueError(f"batch size {batch} is out of range")
         self.clock += 1
-        _cost_observe(s, batch, wi, float(ms), self.alpha, self.clip, self.clock, self.stale_after)
+        self._observe_kernel(s, batch, wi, float(ms), self.alpha, self.clip, self.clock, self.stale_after)
         self._rows.clear()
 
     def row(self, batch: int) -> CostRow:
@@ -380,17 +397,10 @@ class CostModel:
         if batch >= self._prior_rows:
             self._ensure(batch)
         W = len(self.widths)
-        s = self.state
-        costs = np.empty(W)
-        _cost_row(s, batch, self._w, -1, costs)
-        measured = np.empty(W, np.bool_)
-        stale = np.empty(W, np.bool_)
-        _cost_near(s, batch, self._w, self.clock, self.stale_after, measured, stale)
-        implied = costs.copy()
-        for wi in np.flatnonzero(stale):
-            tmp = np.empty(W)
-            _cost_row(s, batch, self._w, int(wi), tmp)
-            implied[wi] = tmp[wi]
+        costs, implied, tmp = np.empty(W), np.empty(W), np.empty(W)
+        measured, stale = np.empty(W, np.bool_), np.empty(W, np.bool_)
+        self._row_kernel(self.state, int(batch), self._w, self.clock, self.stale_after, costs, measured, stale,
+                         implied, tmp)
         got = CostRow(costs, measured, stale, implied)
         if len(self._rows) > 64:
             self._rows.clear()
