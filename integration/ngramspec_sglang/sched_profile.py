@@ -12,6 +12,7 @@ import json
 import os
 import time
 from functools import partial
+from typing import Callable
 
 _PHASES = {
     "ingest_requests": "sglang.srt.managers.scheduler.Scheduler.ingest_requests",
@@ -27,6 +28,26 @@ _PHASES = {
                               "SchedulerBatchResultProcessor.process_batch_result_decode"),
     "launch_sample": "sglang.srt.managers.scheduler.Scheduler.launch_batch_sample_if_needed",
 }
+
+
+def dump_periodically(count: Callable[[], int], dump: Callable[[], None], name: str, period_s: float = 0.25) -> None:
+    """A daemon thread that calls ``dump()`` every ``period_s`` seconds while ``count()`` changes (diagnostic
+    files rewritten while steps run; a dict changed under the dump, or a write error, retries at the next tick)."""
+    import threading
+
+    def loop():
+        seen = -1
+        while True:
+            time.sleep(period_s)
+            n = count()
+            if n != seen:
+                try:
+                    dump()
+                    seen = n
+                except (RuntimeError, OSError):
+                    pass
+
+    threading.Thread(target=loop, name=name, daemon=True).start()
 
 
 class _Sums:
@@ -59,26 +80,10 @@ class _Sums:
             if self._rank0 is None:
                 self._rank0 = getattr(scheduler, "tp_rank", 0) == 0
                 if self._rank0:
-                    self._start_dumper()
+                    dump_periodically(lambda: self.decode_steps, self.dump, "ngramspec-sched-profile")
         else:
             self._last_decode = None
         return self.around("run_batch", original, scheduler, batch, *args, **kwargs)
-
-    def _start_dumper(self, period_s: float = 0.25) -> None:
-        import threading
-
-        def loop():
-            seen = -1
-            while True:
-                time.sleep(period_s)
-                if self.decode_steps != seen:
-                    try:
-                        self.dump()
-                        seen = self.decode_steps
-                    except (RuntimeError, OSError):
-                        pass
-
-        threading.Thread(target=loop, name="ngramspec-sched-profile", daemon=True).start()
 
     def dump(self) -> None:
         out = {"decode_steps": self.decode_steps, "decode_periods": self.decode_periods,

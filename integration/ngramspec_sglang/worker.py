@@ -65,6 +65,7 @@ from .backoff import PlanBackoff
 from .config import resolve_config
 from .drafting import DraftPlanner
 from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens, request_views
+from .sched_profile import dump_periodically
 from .state import StateKeeper
 from .timing import StepTimer
 
@@ -603,7 +604,7 @@ class _HostProfile:
         self.durations: dict[str, list[float]] = {}  # "width/batch" -> [samples, seconds, min, max]
         self.controller = None
         self.batches: set = set()
-        _dump_periodically(self)
+        dump_periodically(lambda: self.steps, self.dump, "ngramspec-profile")
 
     @classmethod
     def from_env(cls, rank: int):
@@ -654,24 +655,6 @@ class _HostProfile:
                         "durations": self.durations, "cost_estimates_ms": costs}
         with open(self.path, "w") as f:
             json.dump(out, f, indent=1)
-
-
-def _dump_periodically(profile, period_s: float = 0.25) -> None:
-    """A daemon thread that rewrites ``profile``'s file every ``period_s`` while its step count changes."""
-    import threading
-
-    def loop():
-        seen = -1
-        while True:
-            time.sleep(period_s)
-            if profile.steps != seen:
-                try:
-                    profile.dump()
-                    seen = profile.steps
-                except (RuntimeError, OSError):  # a dict changed under us: next tick
-                    pass
-
-    threading.Thread(target=loop, name="ngramspec-profile", daemon=True).start()
 
 
 class _DraftLog:
