@@ -21,10 +21,23 @@ need_gib() {  # exit 3 (test.sh reports the skip) unless $1 GiB are free
   fi
 }
 
+# Arctic Inference ships as source only. Its build requires torch>=2.10 (setup.py imports it; the suffix cache's
+# extension does not link it), and pip's isolated build env would otherwise pull the 5 GB CUDA torch: hold the build
+# env at the CPU wheel. arctic-inference has no runtime requirements, so this touches nothing in the venv. If the
+# build still fails (e.g. the disk filled up), say so and go on: the Arctic anchor tests skip with that reason.
+install_arctic() {
+  local held
+  held=$(mktemp)
+  echo "torch==2.13.0" > "$held"
+  if ! PIP_CONSTRAINT="$held" .venv-sglang/bin/pip install -q "arctic-inference==0.3.0"; then
+    echo "WARNING: arctic-inference 0.3.0 could not be built here (above); the Arctic anchor tests will skip" >&2
+  fi
+  rm -f "$held"
+}
+
 # full: sglang with every dependency. Returns pip's failure instead of exiting (called from an `if`).
 install_full() {
-  .venv-sglang/bin/pip install -q -e ".[sglang,test,sim]" "sglang==0.5.23" &&  # the version the plugin is tested against
-    .venv-sglang/bin/pip install -q "arctic-inference==0.3.0"
+  .venv-sglang/bin/pip install -q -e ".[sglang,test,sim]" "sglang==0.5.23"  # the version the plugin is tested against
 }
 
 # cpu: sglang --no-deps, its requirements less the GPU-only packages, with torch held at the CPU wheel.
@@ -36,8 +49,8 @@ install_cpu() {
   .venv-sglang/bin/pip install -q --no-deps "sglang==0.5.23"
   .venv-sglang/bin/python scripts/sglang_cpu_requirements.py > "$held.reqs"
   without_known_conflicts .venv-sglang/bin/pip install -q -r "$held.reqs" -c "$held"
-  without_known_conflicts .venv-sglang/bin/pip install -q -e ".[test,sim]" "arctic-inference==0.3.0" -c "$held"
-  .venv-sglang/bin/python -c "import sglang, arctic_inference, ngramspec, pytest"  # fail here, not in pytest
+  without_known_conflicts .venv-sglang/bin/pip install -q -e ".[test,sim]" -c "$held"
+  .venv-sglang/bin/python -c "import sglang, ngramspec, pytest"  # fail here, not in pytest
   rm -f "$held" "$held.reqs"
 }
 
@@ -81,6 +94,7 @@ case "${1:-core}" in
       cpu) install_cpu ;;
       *) echo "NGRAMSPEC_SGLANG_ENV must be full, cpu or auto, not ${flavor}" >&2; exit 2 ;;
     esac
+    .venv-sglang/bin/python -c "import arctic_inference" 2>/dev/null || install_arctic
     echo "${flavor#auto-}" > .venv-sglang/FLAVOR
     ;;
   *) echo "usage: $0 core|sglang" >&2; exit 2 ;;
