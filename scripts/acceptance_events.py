@@ -195,6 +195,19 @@ def score_all(ev):
     return out
 
 
+def by_run(drafts):
+    """Per copy-run bin: drafts, their estimated and realized accepted nodes (15-node drafts), how often they
+    accept 4+ nodes and their share of the tokens of all drafts accepting 4+ nodes."""
+    E15, acc, run = drafts[:, 0], drafts[:, 1], drafts[:, 2]
+    long = acc >= 4
+    print("per copy run (tokens): drafts, estimated -> accepted nodes, P(4+ accepted), share of 4+ drafts' tokens")
+    for lo, hi in ((0, 1), (1, 4), (4, 8), (8, 16), (16, 32), (32, None)):
+        s = (run >= lo) & ((run < hi) if hi else True)
+        if s.any():
+            print(f"  {lo}-{hi - 1 if hi else ''}: {s.sum():7d}  {E15[s].mean():6.2f} -> {acc[s].mean():6.2f}  "
+                  f"{long[s].mean():.3f}  {acc[s & long].sum() / max(acc[long].sum(), 1):.3f}")
+
+
 def policy_bound(drafts, profile):
     """A draft-level proxy of what better estimates could give at batch 1: over the recorded drafts (one per step
     that had a draft), each policy picks a width among 1 | 4 | 8 | 16 per draft; tokens 1 + min(accepted, w - 1),
@@ -250,6 +263,7 @@ def main():
     if args.out:
         np.savez_compressed(args.out, **ev)
     score_all(ev)
+    by_run(ev["drafts"])
     for name in ("seed-pcie8", "h200-llama8b"):
         policy_bound(ev["drafts"], get_profile(name))
 
