@@ -89,7 +89,7 @@ class Scratch(NamedTuple):
 
 
 @njit(cache=True)
-def _choose(parents, probs, sources, offsets, mlens, slots, success, cal, prior_mean, strength, widths, row,
+def _choose(parents, probs, sources, offsets, mlens, slots, success, run, cal, prior_mean, strength, widths, row,
             draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths):
     """The width choice for one step (see AdaptiveController.plan). Fills the scratch ``sc`` (cells, P, G,
     values: -inf for a width not considered, expected) and lengths; returns (width index, reason index)."""
@@ -97,7 +97,7 @@ def _choose(parents, probs, sources, offsets, mlens, slots, success, cal, prior_
     W = widths.shape[0]
     costs, measured, stale, implied = row
     cells, G, values, expected = sc.cells, sc.G, sc.values, sc.expected
-    node_cells(parents, probs, sources, offsets, mlens, slots, success, cells)
+    node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, run)
     node_values(parents, offsets, cells, cal, prior_mean, strength, widths, sc.P, G)
     for w in range(W):
         acc = 0.0
@@ -165,9 +165,9 @@ def _step_kernel(slots, toks, offs, parents, probs, sources, tokens, offsets, ml
     if need_d > 0 or need_n > 0:
         return -1, -1, need_d, need_n
     if offs.shape[0] > 1:
-        shadow_evaluate(slots, toks, offs, pend, alpha, cal)
-    best, reason = _choose(parents, probs, sources, offsets, mlens, slots, pend.success, cal, prior_mean, strength,
-                           widths, row, draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths)
+        shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength)
+    best, reason = _choose(parents, probs, sources, offsets, mlens, slots, pend.success, pend.run, cal, prior_mean,
+                           strength, widths, row, draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths)
     pend_add(slots, tokens, parents, offsets, sc.cells, pend)
     return best, reason, 0, 0
 
@@ -187,14 +187,19 @@ class AdaptiveController:
     cost: 0.1 asks a verify costing 2 decodes for 10% more, one costing 1.3 decodes for 3% more),
     ``cost_clip`` (a step duration moves its average by at most this factor; None: unclipped),
     ``stale_after`` (reported steps after which a width's measurement may be re-checked, see the module
-    docstring; None: never), ``trace_len`` (decisions kept for debugging).
+    docstring; None: never), ``trace_len`` (decisions kept for debugging), ``predictor`` ("beta": the Beta cells
+    alone; "logistic": their estimate corrected online by a logistic model over the request's copy run and
+    success, see ``calibration``).
     """
 
     def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
                  explore_min: int = 1, explore_optimism: float = 0.7,
                  prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
                  request_alpha: float = 0.25, min_gain: float = 0.1, cost_clip: float | None = 2.0,
-                 stale_after: int | None = 500, trace_len: int = 1000):
+                 stale_after: int | None = 500, trace_len: int = 1000, predictor: str = "beta"):
+        if predictor not in ("beta", "logistic"):
+            raise ValueError(f"predictor must be 'beta' or 'logistic', got {predictor!r}")
+        self.predictor = predictor
         widths = check_widths(widths)
         self.widths = widths
         self._widths = np.asarray(widths, np.int64)
@@ -212,7 +217,8 @@ class AdaptiveController:
             raise ValueError("prior_scale needs one factor per depth bin (1, 2-3, 4-7, 8+)")
         self.request_alpha = float(request_alpha)
         self.min_gain = float(min_gain)
-        self.calibration = Calibration.empty()  # the acceptance counts (public: inspect, copy, load)
+        # the acceptance counts (public: inspect, copy, load) and the logistic correction's weights if any
+        self.calibration = Calibration.empty(logistic=predictor == "logistic")
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
         # per top cell (source, conditional, depth, siblings): prior_scale[depth] x the conditional's midpoint
         self.prior_mean = np.broadcast_to(q_mid[None, :, None, None] * self.prior_scale[None, None, :, None],
@@ -248,6 +254,7 @@ class AdaptiveController:
         self._slot_of[rid] = s
         pend = self._pend
         pend.success[s] = -1.0
+        pend.run[s] = 0
         pend.nd[s] = 0
         pend.nn[s] = 0
 
@@ -302,7 +309,7 @@ class AdaptiveController:
         n = batch.parents.shape[0]
         cells, P, G = np.zeros(n, np.int64), np.zeros(n), np.zeros((len(slots), len(self.widths)))
         node_cells(batch.parents, batch.probs, batch.sources, batch.offsets, batch.match_lens, slots,
-                   self._pend.success, cells)
+                   self._pend.success, cells, self._pend.run)
         node_values(batch.parents, batch.offsets, cells, self.calibration, self.prior_mean, self.prior_strength,
                     self._widths, P, G)
         return P, cells
@@ -370,7 +377,8 @@ class AdaptiveController:
         slots = self._slots([rid])
         toks = as_tokens(committed, "committed tokens")
         self._off_buf[1] = toks.size
-        shadow_evaluate(slots, toks, self._off_buf[:2], self._pend, self.request_alpha, self.calibration)
+        shadow_evaluate(slots, toks, self._off_buf[:2], self._pend, self.request_alpha, self.calibration,
+                        self.prior_mean, self.prior_strength)
 
     def observe_batch(self, rids: Sequence[Hashable], committed: Sequence) -> None:
         """``observe_tokens`` for a whole batch (``committed[i]`` for ``rids[i]``) in one kernel call.
@@ -382,7 +390,8 @@ class AdaptiveController:
         self._observe_flat(slots, toks, offs)
 
     def _observe_flat(self, slots, toks, offs) -> None:
-        shadow_evaluate(slots, toks, offs, self._pend, self.request_alpha, self.calibration)
+        shadow_evaluate(slots, toks, offs, self._pend, self.request_alpha, self.calibration, self.prior_mean,
+                        self.prior_strength)
 
     def _flatten(self, committed: Sequence, rids) -> tuple[np.ndarray, np.ndarray]:
         """Token lists -> validated (flat int32 tokens, int64 offsets), the offsets in a reused buffer."""
@@ -458,7 +467,8 @@ class AdaptiveController:
             version = int(np.asarray(data["version"]).reshape(-1)[0])
             widths = tuple(int(w) for w in np.asarray(data["widths"]).reshape(-1))
             counters = np.asarray(data["counters"], np.int64).reshape(-1)
-            cal = Calibration(*(np.asarray(data[f"cal_{name}"]) for name in Calibration._fields))
+            cal = Calibration(*(np.asarray(data[f"cal_{name}"]) if name in _COUNTS or f"cal_{name}" in data
+                                else np.zeros(0) for name in Calibration._fields))
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise ValueError(f"not a controller state: {e}") from None
         if fmt != STATE_FORMAT:
@@ -472,6 +482,10 @@ class AdaptiveController:
         if counters.shape != (4,) or counters.min() < 0:
             raise ValueError(f"controller state: bad counters {counters.tolist()}")
         for name, mine, theirs in zip(Calibration._fields, self.calibration, cal):
+            if name not in _COUNTS:  # the logistic correction: taken only if this controller has one of that shape
+                if theirs.shape == mine.shape and not np.all(np.isfinite(theirs)):
+                    raise ValueError(f"controller state: non-finite {name}")
+                continue
             if theirs.shape != mine.shape or theirs.dtype != mine.dtype:
                 raise ValueError(f"controller state: calibration {name} has shape {theirs.shape} {theirs.dtype}, "
                                  f"expected {mine.shape} {mine.dtype} (saved by another version?)")
@@ -521,6 +535,7 @@ def read_state_file(path) -> dict[str, np.ndarray]:
         raise ValueError(f"{path}: not a readable controller state file ({type(e).__name__}: {e})") from None
 
 
+_COUNTS = Calibration._fields[:6]  # the Beta counts: every state has them
 STATE_FORMAT = "ngramspec-controller-state"
 STATE_VERSION = 1
 _NO_TOKENS = np.zeros(0, np.int32)

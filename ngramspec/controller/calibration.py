@@ -6,11 +6,18 @@ request's recent success); its conditional acceptance is the cell's Beta mean, s
 fixed prior. Every proposed draft waits in its request's pending pool until the committed tokens decide it
 (shadow evaluation), and every decision counts.
 
+Optional (``AdaptiveController(predictor="logistic")``): a logistic correction of that estimate, logit P =
+w0 logit(Beta) + one weight per group of one-hot features (the request's copy run: committed tokens since the last
+one no pending draft predicted, alone, x depth, x raw conditional and x match length; the request's recent
+success, alone and x depth), learned online by AdaGrad from the same shadow-evaluated outcomes, each from the
+Beta estimate before it is counted. It starts as the identity (the Beta estimate).
+
 State: the counts (``Calibration``) and the per-request slots with their pending drafts (``Pending``), two
 bundles of flat arrays that the numba kernels take whole. ``AdaptiveController.calibration`` is the public view.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +30,13 @@ DBINS = np.array([2, 4, 8], np.int64)  # depth: 1 | 2-3 | 4-7 | 8+
 KBINS = np.array([2, 3, 5], np.int64)  # drafted siblings (itself included): 1 | 2 | 3-4 | 5+
 RBINS = 6  # request's recent success: unknown | 5 quantized levels
 SHAPE = (2, 4, 6, 4, 4, RBINS)  # source, match, conditional, depth, siblings, request
+FINE = 2 * 4 * 6 * 4 * 4 * RBINS  # fine cells; a node's cell number is its fine cell + FINE x its copy-run bin
+RUNB = np.array([1, 4, 8, 16, 32], np.int64)  # request's copy run (tokens): 0 | 1-3 | 4-7 | 8-15 | 16-31 | 32+
+# the logistic correction's one-hot columns: run, run x depth, success, success x depth, conditional x run,
+# match x run; then the weight of the Beta estimate's logit
+N_LOGIT = 6 + 24 + 6 + 24 + 36 + 24 + 1
+LOGIT_LR = 0.1  # AdaGrad step
+LOGIT_L2 = 1e-4
 TOP_SHAPE = (2, 6, 4, 4)  # source, conditional, depth, siblings
 _MID_PER_SOURCE = 4 * 6 * 4 * 4  # (match, conditional, depth, siblings) cells of one source
 _TOP_PER_SOURCE = 6 * 4 * 4  # (conditional, depth, siblings) cells of one source
@@ -39,13 +53,17 @@ class Calibration(NamedTuple):
     mid_trials: np.ndarray
     top_succ: np.ndarray
     top_trials: np.ndarray
+    # the optional logistic correction (``predictor="logistic"``; empty arrays: the Beta estimate alone)
+    logit_w: np.ndarray  # [N_LOGIT] weights (the last: the Beta estimate's logit)
+    logit_g2: np.ndarray  # [N_LOGIT] AdaGrad sums of squared gradients
 
     @classmethod
-    def empty(cls) -> "Calibration":
+    def empty(cls, logistic: bool = False) -> "Calibration":
         fine = np.zeros(int(np.prod(SHAPE)), np.float64)
         mid = np.zeros(int(np.prod(SHAPE[:5])), np.float64)
         top = np.zeros(2 * _TOP_PER_SOURCE, np.float64)
-        return cls(fine, fine.copy(), mid, mid.copy(), top, top.copy())
+        w, g2 = initial_logit() if logistic else (np.zeros(0), np.zeros(0))
+        return cls(fine, fine.copy(), mid, mid.copy(), top, top.copy(), w, g2)
 
     def by_depth(self) -> tuple[np.ndarray, np.ndarray]:
         """(successes, trials) per depth bin 1 | 2-3 | 4-7 | 8+, over every other axis."""
@@ -54,8 +72,18 @@ class Calibration(NamedTuple):
 
     def load(self, other: "Calibration") -> None:
         """Overwrite these counts with ``other``'s (e.g. to start a controller warm)."""
-        for dst, src in zip(self, other):
-            dst[:] = src
+        for name, dst, src in zip(self._fields, self, other):
+            if dst.shape == src.shape:
+                dst[:] = src
+            elif dst.size and name in ("logit_w", "logit_g2"):  # no logistic correction there: this one restarts
+                dst[:] = initial_logit()[name == "logit_g2"]
+
+
+def initial_logit() -> tuple[np.ndarray, np.ndarray]:
+    """The logistic correction's starting weights (the identity: the Beta estimate unchanged) and AdaGrad sums."""
+    w = np.zeros(N_LOGIT)
+    w[-1] = 1.0
+    return w, np.full(N_LOGIT, 1e-6)
 
 
 class Pending(NamedTuple):
@@ -72,13 +100,14 @@ class Pending(NamedTuple):
     tok: np.ndarray  # [S, N] int32
     par: np.ndarray  # [S, N] int32
     cell: np.ndarray  # [S, N] int64
+    run: np.ndarray  # [S] int64: committed tokens since the last one no pending draft predicted (a copy's run)
 
     @classmethod
     def empty(cls, slots: int = 8, drafts: int = 4, nodes: int = 64) -> "Pending":
         S = slots
         return cls(np.full(S, -1.0), np.zeros(S, np.int64), np.zeros(S, np.int64), np.zeros((S, drafts), np.int64),
                    np.zeros((S, drafts), np.int64), np.zeros((S, drafts), np.int64), np.zeros((S, nodes), np.int32),
-                   np.zeros((S, nodes), np.int32), np.zeros((S, nodes), np.int64))
+                   np.zeros((S, nodes), np.int32), np.zeros((S, nodes), np.int64), np.zeros(S, np.int64))
 
     def grow_slots(self, S: int) -> "Pending":
         def grow(a, fill):
@@ -105,16 +134,90 @@ class Pending(NamedTuple):
 
 
 @njit(cache=True)
+def fine_cell(cell):
+    """The fine cell (index into ``Calibration.succ``) of a node's cell number."""
+    return cell % FINE
+
+
+@njit(cache=True)
 def mid_cell(cell):
-    """(source, match, conditional, depth, siblings) cell of a fine cell."""
-    return cell // RBINS
+    """(source, match, conditional, depth, siblings) cell of a node's cell number."""
+    return (cell % FINE) // RBINS
 
 
 @njit(cache=True)
 def top_cell(cell):
-    """(source, conditional, depth, siblings) cell of a fine cell."""
-    mid = cell // RBINS
+    """(source, conditional, depth, siblings) cell of a node's cell number."""
+    mid = (cell % FINE) // RBINS
     return (mid // _MID_PER_SOURCE) * _TOP_PER_SOURCE + mid % _TOP_PER_SOURCE
+
+
+@njit(cache=True)
+def logit_columns(cell, cols):
+    """The logistic correction's one-hot column of each feature group, into ``cols`` (6 entries)."""
+    ru = cell // FINE
+    f = cell % FINE
+    rb = f % RBINS
+    ki = (f // RBINS) % 4
+    di = (f // (RBINS * 4)) % 4
+    qi = (f // (RBINS * 16)) % 6
+    m = (f // (RBINS * 96)) % 4
+    cols[0] = ru
+    cols[1] = 6 + ru * 4 + di
+    cols[2] = 30 + rb
+    cols[3] = 36 + rb * 4 + di
+    cols[4] = 60 + qi * 6 + ru
+    cols[5] = 96 + m * 6 + ru
+    return ki
+
+
+@njit(cache=True)
+def beta_mean(cal, c, prior_mean, strength):
+    """A node's conditional acceptance from the Beta counts: its fine cell's mean, shrunk towards its mid cell,
+    shrunk towards its top cell, shrunk towards the fixed prior."""
+    t = top_cell(c)
+    mc = mid_cell(c)
+    fc = fine_cell(c)
+    top = (cal.top_succ[t] + strength * prior_mean[t]) / (cal.top_trials[t] + strength)
+    mid = (cal.mid_succ[mc] + strength * top) / (cal.mid_trials[mc] + strength)
+    return (cal.succ[fc] + strength * mid) / (cal.trials[fc] + strength)
+
+
+@njit(cache=True)
+def _logit(p):
+    p = min(max(p, 1e-4), 1.0 - 1e-4)
+    return math.log(p / (1.0 - p))
+
+
+@njit(cache=True)
+def corrected(w, c, base, cols):
+    """The logistic correction of the Beta estimate ``base`` for a node of cell number ``c``."""
+    logit_columns(c, cols)
+    z = w[N_LOGIT - 1] * _logit(base)
+    for k in range(6):
+        z += w[cols[k]]
+    return 1.0 / (1.0 + math.exp(-z))
+
+
+@njit(cache=True)
+def logit_learn(cal, c, hit, prior_mean, strength, cols):
+    """One AdaGrad step of the logistic correction on a decided node (cell number ``c``), from the Beta
+    estimate before this outcome is counted."""
+    w, g2 = cal.logit_w, cal.logit_g2
+    lb = _logit(beta_mean(cal, c, prior_mean, strength))
+    logit_columns(c, cols)
+    z = w[N_LOGIT - 1] * lb
+    for k in range(6):
+        z += w[cols[k]]
+    g = 1.0 / (1.0 + math.exp(-z)) - (1.0 if hit else 0.0)
+    gl = g * lb + LOGIT_L2 * (w[N_LOGIT - 1] - 1.0)
+    g2[N_LOGIT - 1] += gl * gl
+    w[N_LOGIT - 1] -= LOGIT_LR * gl / math.sqrt(g2[N_LOGIT - 1])
+    for k in range(6):
+        j = cols[k]
+        gj = g + LOGIT_L2 * w[j]
+        g2[j] += gj * gj
+        w[j] -= LOGIT_LR * gj / math.sqrt(g2[j])
 
 
 @njit(cache=True)
@@ -126,8 +229,9 @@ def _rbin(success):
 
 
 @njit(cache=True)
-def node_cells(parents, probs, sources, offsets, mlens, slots, success, cells):
-    """Calibration cell (flat index into the fine table) of every node of a flat DraftBatch, into ``cells``."""
+def node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, run=None):
+    """Cell number of every node of a flat DraftBatch, into ``cells``: its fine cell (flat index into the fine
+    table) + ``FINE`` x the request's copy-run bin (``run``: per slot; None: bin 0)."""
     n = parents.shape[0]
     depth = np.empty(n, np.int64)
     siblings = np.zeros(n + 1, np.int64)  # children per parent (index p + 1; 0: the root)
@@ -135,6 +239,8 @@ def node_cells(parents, probs, sources, offsets, mlens, slots, success, cells):
         a = offsets[i]
         m = np.searchsorted(MBINS, mlens[i], side="right")
         rb = _rbin(success[slots[i]])
+        if run is not None:
+            rb += FINE * np.searchsorted(RUNB, run[slots[i]], side="right")
         for j in range(a, offsets[i + 1] + 1):
             siblings[j - a] = 0
         for j in range(a, offsets[i + 1]):
@@ -158,7 +264,8 @@ def node_values(parents, offsets, cells, cal, prior_mean, strength, widths, P, G
     """Calibrated P(accepted) per node into ``P`` and, per request and width, the expected accepted nodes (no
     bonus) into ``G``. A node's conditional acceptance is its fine cell's Beta mean, shrunk towards its ``mid_cell``
     cell, shrunk towards its ``top_cell``, shrunk towards the fixed prior; P is the product along the path."""
-    succ, trials, mid_succ, mid_trials, top_succ, top_trials = cal
+    logistic = cal.logit_w.shape[0] > 0
+    cols = np.empty(6, np.int64)
     B = offsets.shape[0] - 1
     for i in range(B):
         for w in range(widths.shape[0]):
@@ -166,11 +273,9 @@ def node_values(parents, offsets, cells, cal, prior_mean, strength, widths, P, G
         a = offsets[i]
         for j in range(a, offsets[i + 1]):
             c = cells[j]
-            t = top_cell(c)
-            mc = mid_cell(c)
-            top = (top_succ[t] + strength * prior_mean[t]) / (top_trials[t] + strength)
-            mid = (mid_succ[mc] + strength * top) / (mid_trials[mc] + strength)
-            cond = (succ[c] + strength * mid) / (trials[c] + strength)
+            cond = beta_mean(cal, c, prior_mean, strength)
+            if logistic:
+                cond = corrected(cal.logit_w, c, cond, cols)
             p = parents[j]
             P[j] = cond if p < 0 else cond * P[a + p]
             k = j - a + 1  # this node is the request's k-th: every width w with w - 1 >= k holds it
@@ -221,7 +326,7 @@ def pend_add(slots, tokens, parents, offsets, cells, pend):
 
 
 @njit(cache=True)
-def shadow_evaluate(slots, toks, offs, pend, alpha, cal):
+def shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean=None, strength=0.0):
     """Shadow-evaluate every pending draft of each request against its committed tokens ``toks[offs[k]:
     offs[k+1]]``: at each depth the children of the node accepted so far are tried, the one matching the
     committed token (if any) is accepted; a draft is decided when none matches or its accepted node has no
@@ -230,17 +335,25 @@ def shadow_evaluate(slots, toks, offs, pend, alpha, cal):
     ptok, ppar, pcell, pstart, plen, pcur, nd, nn = (pend.tok, pend.par, pend.cell, pend.start, pend.length,
                                                       pend.cur, pend.nd, pend.nn)
     success = pend.success
-    succ, trials, mid_succ, mid_trials, top_succ, top_trials = cal
+    run = pend.run
+    succ, trials, mid_succ, mid_trials, top_succ, top_trials = cal.succ, cal.trials, cal.mid_succ, cal.mid_trials, \
+        cal.top_succ, cal.top_trials
+    learn = prior_mean is not None and cal.logit_w.shape[0] > 0
+    cols = np.empty(6, np.int64)
     for k in range(slots.shape[0]):
         s = slots[k]
-        if nd[s] == 0:
-            continue
         a = offs[k]
         b = offs[k + 1]
+        if nd[s] == 0:
+            if b > a:
+                run[s] = 0  # nothing predicted these tokens
+            continue
         ntried = 0
         nhit = 0
         keep = 0
         wpos = 0
+        reach = 0  # committed tokens of this step that some pending draft predicted in a row
+        missed = False  # whether the drafts reaching furthest stopped on a wrong token (not on their last node)
         for d in range(nd[s]):
             st = pstart[s, d]
             L = plen[s, d]
@@ -249,27 +362,39 @@ def shadow_evaluate(slots, toks, offs, pend, alpha, cal):
             for q in range(a, b):
                 t = toks[q]
                 nxt = -1
+                tried = False
                 for j in range(L):
                     if ppar[s, st + j] == cur:
+                        tried = True
                         c = pcell[s, st + j]
+                        hit = ptok[s, st + j] == t
+                        if learn:
+                            logit_learn(cal, c, hit, prior_mean, strength, cols)
                         mc = mid_cell(c)
                         tc = top_cell(c)
-                        trials[c] += 1.0
+                        fc = fine_cell(c)
+                        trials[fc] += 1.0
                         mid_trials[mc] += 1.0
                         top_trials[tc] += 1.0
                         ntried += 1
-                        if ptok[s, st + j] == t:
-                            succ[c] += 1.0
+                        if hit:
+                            succ[fc] += 1.0
                             mid_succ[mc] += 1.0
                             top_succ[tc] += 1.0
                             nhit += 1
                             nxt = j
                 if nxt < 0:
                     decided = True
+                    if q - a > reach:
+                        reach = q - a
+                        missed = tried
+                    elif q - a == reach and tried:
+                        missed = True
                     break
                 cur = nxt
             if decided:
                 continue
+            reach = b - a
             alive = False
             for j in range(L):
                 if ppar[s, st + j] == cur:
@@ -288,6 +413,7 @@ def shadow_evaluate(slots, toks, offs, pend, alpha, cal):
                 wpos += L
         nd[s] = keep
         nn[s] = wpos
+        run[s] = 0 if missed and reach < b - a else run[s] + (b - a)
         if ntried > 0:
             rate = nhit / ntried
             success[s] = rate if success[s] < 0 else success[s] + alpha * (rate - success[s])
