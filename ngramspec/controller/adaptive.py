@@ -493,6 +493,15 @@ class AdaptiveController:
         if B + 1 > self._off_buf.shape[0]:
             self._off_buf = np.zeros(max(B + 1, 2 * self._off_buf.shape[0]), np.int64)
         offs = self._off_buf[: B + 1]
+        if negatives_ok:
+            try:  # int32 arrays (e.g. slices of a trace): only their shapes are checked
+                if all([t.dtype is _I32 for t in committed]):
+                    flat = np.concatenate(committed)  # (raises for 0-d or mixed 1-d and n-d arrays)
+                    if type(flat) is np.ndarray and flat.ndim == 1:
+                        offs[1:] = list(accumulate(map(len, committed)))
+                        return flat, offs
+            except (AttributeError, TypeError, ValueError):
+                pass  # not arrays: checked below
         if all(type(t) is list for t in committed):  # the common case: lists of Python ints, checked in one pass
             flat = [x for t in committed for x in t]
             if all(type(x) in _INT_TYPES for x in flat) and (not flat or (min(flat) >= 0 and max(flat) < MAX_TOKEN)):
@@ -500,8 +509,7 @@ class AdaptiveController:
                 return np.array(flat, np.int32), offs
         elif B and all(type(t) is np.ndarray and t.ndim == 1 and t.dtype.kind in "iu" for t in committed):
             flat = np.concatenate(committed)  # integer arrays (e.g. slices of a trace): checked in one pass
-            if not flat.size or (negatives_ok and flat.dtype is _I32) or (int(flat.min()) >= 0
-                                                                         and int(flat.max()) < MAX_TOKEN):
+            if not flat.size or (int(flat.min()) >= 0 and int(flat.max()) < MAX_TOKEN):
                 offs[1:] = list(accumulate([t.size for t in committed]))
                 return flat.astype(np.int32, copy=False), offs
         arrays = [as_tokens(t, f"committed tokens of request {rid!r}") for rid, t in zip(rids, committed)]
@@ -550,10 +558,11 @@ class AdaptiveController:
                 slots[0] = so[rid]
                 cslots[0] = cso[rid]
                 return slots, cslots
-            sl = [so[r] for r in rids]
-            if len(set(sl)) != len(sl):
+            B = len(rids)
+            if len(set(rids)) != B:
                 return None
-            return np.array(sl, np.int64), np.array([cso[r] for r in rids], np.int64)
+            return np.fromiter(map(so.__getitem__, rids), np.int64, B), np.fromiter(map(cso.__getitem__, rids),
+                                                                                   np.int64, B)
         except (KeyError, TypeError):
             return None
 
