@@ -297,7 +297,9 @@ class AdaptiveController:
         self._row = CostRow(np.zeros(W), np.zeros(W, np.bool_), np.zeros(W, np.bool_), np.zeros(W))
         self._row_tmp = np.zeros(W)
         # the decision trace: a ring the step kernel writes, read by `decisions()`
-        self._trace_len = max(0, int(trace_len))
+        self._trace_len = int(trace_len)
+        if self._trace_len < 0:
+            raise ValueError(f"trace_len must be >= 0, got {trace_len!r}")
         N = max(1, self._trace_len)
         self._trace = Trace(np.zeros((N, 4), np.int64), np.zeros((N, 2)), np.zeros((N, W)))
         self._n_traced = 0
