@@ -193,3 +193,8 @@ def test_step_grows_histories_and_pending_pools_as_the_verbs_do():
         logs.append((log, ctl.decisions(), cache.history(0).tolist(), ctl._pend.start.shape[1]))
     assert logs[0] == logs[1]
     assert logs[0][3] > 4  # the pending pools grew (from 4 drafts per request)
+
+
+def test_a_negative_trace_len_is_rejected():
+    with pytest.raises(ValueError, match="trace_len"):
+        AdaptiveController(trace_len=-1)
