@@ -495,7 +495,7 @@ class AdaptiveController:
         if B + 1 > self._off_buf.shape[0]:
             self._off_buf = np.zeros(max(B + 1, 2 * self._off_buf.shape[0]), np.int64)
         offs = self._off_buf[: B + 1]
-        if negatives_ok:
+        if negatives_ok and B and type(committed[0]) is np.ndarray:
             try:  # int32 arrays (e.g. slices of a trace): only their shapes are checked
                 if all([t.dtype is _I32 for t in committed]):
                     flat = np.concatenate(committed)  # (raises for 0-d or mixed 1-d and n-d arrays)
