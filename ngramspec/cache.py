@@ -398,23 +398,28 @@ class NgramCache:
             bud = self._budgets[budget] = np.full(max(B, 64), budget, np.int64)
         return bud[:B]
 
+    def _propose_buffers(self, B: int, budget: int) -> tuple:
+        """The reused output buffers of a proposal for ``B`` requests and one ``budget``: (tokens, parents,
+        probabilities, sources: room for B x budget nodes; offsets, match lengths: B + 1 and B entries; the
+        budgets: B times ``budget``). The next proposal overwrites them."""
+        views = self._out_views.get((B, budget))
+        if views is None:
+            out = self._out
+            if out is None or out[0].shape[0] < B * budget or out[4].shape[0] < B + 1:
+                n, m = max(B * budget, 1024), max(B + 1, 64)
+                out = self._out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
+                                   np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64))
+                self._out_views = {}
+            if len(self._out_views) >= 256:
+                self._out_views.clear()
+            views = self._out_views[B, budget] = (*out[:4], out[4][: B + 1], out[5][:B],
+                                                  self._uniform_budgets(budget, B))
+        return views
+
     def _propose_slots(self, slots: np.ndarray, budget: int, tree: bool) -> DraftBatch:
         """``propose`` for validated, distinct slots and one budget, into reused output buffers: the returned
         arrays are views that the next call overwrites (the controller's ``step`` copies what it keeps)."""
-        B = slots.shape[0]
-        out = self._out
-        if out is None or out[0].shape[0] < B * budget or out[4].shape[0] < B + 1:
-            n, m = max(B * budget, 1024), max(B + 1, 64)
-            out = self._out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
-                               np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64))
-            self._out_views = {}
-        views = self._out_views.get((B, budget))
-        if views is None:  # (per batch size and budget: offsets, match lengths and budgets for B requests)
-            if len(self._out_views) >= 256:
-                self._out_views.clear()
-            views = self._out_views[B, budget] = (out[4][: B + 1], out[5][:B], self._uniform_budgets(budget, B))
-        o_tok, o_par, o_prob, o_src = out[0], out[1], out[2], out[3]
-        offsets, mlens, bud = views
+        o_tok, o_par, o_prob, o_src, offsets, mlens, bud = self._propose_buffers(slots.shape[0], budget)
         n = self._propose_kernel(_fix(slots, _I64), bud, bool(tree), self.max_depth, self.use_shared,
                                  int(self._ring[_shared.S_EPOCH]), self._own_state, self._hists, self._shared_state,
                                  o_tok, o_par, o_prob, o_src, offsets, mlens)

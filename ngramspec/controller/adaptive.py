@@ -38,11 +38,14 @@ more than 1.5x what the other widths imply for it, and would win at that, is re-
 is not banned for good. The controller is never told the true profile.
 
 **Host cost**. All per-step work runs in numba kernels over flat arrays, passed as bundles (named tuples of
-arrays: ``calibration.Calibration``, ``calibration.Pending``, ``cost.CostState``, ``cost.CostRow``, ``Scratch``):
-the calibration cells, the shadow evaluation of every pending draft (kept per request in preallocated pools
-grown on demand), the cost model and the width choice. ``plan`` is one kernel call for the batch and
-``observe_batch`` one for the whole batch's committed tokens; ``step`` does a server's whole step (commit tokens
-to cache and controller, propose, plan) in four kernel calls. ``ngramspec.cache.warm_up()`` compiles them all.
+arrays: ``calibration.Calibration``, ``calibration.Pending``, ``cost.CostState``, ``cost.CostRow``, ``Scratch``,
+``Trace``): the calibration cells, the shadow evaluation of every pending draft (kept per request in preallocated
+pools grown on demand), the cost model, the width choice and the decision trace (a preallocated ring, read only by
+``decisions()``). ``plan`` is one kernel call for the batch and ``observe_batch`` one for the whole batch's
+committed tokens; ``step`` does a server's whole step (commit tokens to cache and controller, propose, plan) in one
+kernel call, through its compiled entry point, after a check of the common input (a list of known request ids;
+lists of Python ints, or int32 arrays whose ids the cache's append kernel checks) that falls back to full
+validation for anything else. ``ngramspec.cache.warm_up()`` compiles them all.
 
 **Determinism and tensor parallelism**. Decisions depend only on tokens (drafts, committed tokens), on the
 durations passed to ``observe_step`` and on the queue length passed to ``plan``. Tokens and the scheduler's
@@ -54,14 +57,15 @@ from __future__ import annotations
 
 import math
 import os
-from collections import deque
 from itertools import accumulate
 from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 from numba import njit
 
-from ngramspec.cache import MAX_TOKEN, DraftBatch, _Direct, as_tokens
+from ngramspec import _shared
+from ngramspec._draft import append_batch, propose_batch
+from ngramspec.cache import _I32, MAX_TOKEN, DraftBatch, _Direct, _draft_batch, as_tokens
 from ngramspec.controller.calibration import (
     Calibration,
     Pending,
@@ -71,8 +75,8 @@ from ngramspec.controller.calibration import (
     pend_room,
     shadow_evaluate,
 )
-from ngramspec.controller.cost import CostModel, default_prior, prior_from_calibration
-from ngramspec.controller.protocol import _INT_TYPES, DEFAULT_WIDTHS, Plan, check_waiting, check_widths
+from ngramspec.controller.cost import CostModel, CostRow, _cost_row_all, default_prior, prior_from_calibration
+from ngramspec.controller.protocol import _INT_TYPES, DEFAULT_WIDTHS, Plan, _new_plan, check_waiting, check_widths
 
 _REASONS = ("best", "no-draft", "explore", "re-measure")
 REMEASURE_RATIO = 1.5  # a stale width is re-measured only if its estimate is this far above what the others imply
@@ -154,22 +158,78 @@ def _choose(parents, probs, sources, offsets, mlens, slots, success, run, cal, p
     return best, reason
 
 
+class Trace(NamedTuple):
+    """The recent decisions, a ring of ``trace_len`` rows written by the step kernel (``decisions()`` reads it)."""
+
+    ints: np.ndarray  # [N, 4] int64: step, batch size, width, reason index
+    floats: np.ndarray  # [N, 2] float64: expected tokens, estimated cost
+    values: np.ndarray  # [N, widths] float64: each width's value (-inf: not considered)
+
+
 @njit(cache=True)
-def _step_kernel(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal, prior_mean,
-                 strength, widths, row, draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths):
-    """The controller's whole step in one call: shadow-evaluate the pending drafts against the tokens committed
-    since the last step (``toks``/``offs``, one slice per request), choose the width for the new drafts, queue
-    them. Returns (width index, reason index, drafts, nodes): if the pending pools lack room it changes nothing
-    and returns (-1, -1, drafts, nodes) they need per request."""
+def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal, prior_mean,
+              strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain, may_explore, may_remeasure,
+              optimism, sc, lengths, trace, tpos, step_no):
+    """The controller's whole step: shadow-evaluate the pending drafts against the tokens committed since the
+    last step (``toks``/``offs``, one slice per request; ``offs`` of length 1: none), compute the cost row of
+    this batch size (into ``row`` and ``tmp``, from the cost state ``cstate``), choose the width for the new
+    drafts, queue them and record the decision in row ``tpos`` of ``trace`` (tpos < 0: not recorded). Returns
+    (width index, reason index, drafts, nodes, expected tokens, estimated cost): if the pending pools lack room
+    it changes nothing and returns (-1, -1, drafts, nodes, 0, 0) they need per request."""
     need_d, need_n = pend_room(slots, offsets, pend)
     if need_d > 0 or need_n > 0:
-        return -1, -1, need_d, need_n
+        return -1, -1, need_d, need_n, 0.0, 0.0
+    B = slots.shape[0]
+    _cost_row_all(cstate, B, widths, clock, stale_after, row.costs, row.measured, row.stale, row.implied, tmp)
     if offs.shape[0] > 1:
         shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength)
     best, reason = _choose(parents, probs, sources, offsets, mlens, slots, pend.success, pend.run, cal, prior_mean,
                            strength, widths, row, draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths)
     pend_add(slots, tokens, parents, offsets, sc.cells, pend)
-    return best, reason, 0, 0
+    if tpos >= 0:
+        ti, tf, tv = trace.ints, trace.floats, trace.values
+        ti[tpos, 0] = step_no
+        ti[tpos, 1] = B
+        ti[tpos, 2] = widths[best]
+        ti[tpos, 3] = reason
+        tf[tpos, 0] = sc.expected[best]
+        tf[tpos, 1] = row.costs[best]
+        for w in range(widths.shape[0]):
+            tv[tpos, w] = sc.values[w]
+    return best, reason, 0, 0, sc.expected[best], row.costs[best]
+
+
+@njit(cache=True)
+def _step_kernel(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal, prior_mean,
+                 strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain, may_explore,
+                 may_remeasure, optimism, sc, lengths, trace, tpos, step_no):
+    """`_ctl_step` as a kernel of its own (``plan``, ``step``'s fallback when the pending pools had to grow)."""
+    return _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal,
+                     prior_mean, strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain,
+                     may_explore, may_remeasure, optimism, sc, lengths, trace, tpos, step_no)
+
+
+@njit(cache=True)
+def _host_step(cslots, toks, offs, append, max_depth, own, hists, budgets, tree, use_shared, epoch, shared, o_tok,
+               o_par, o_prob, o_src, offsets, mlens, slots, pend, alpha, cal, prior_mean, strength, widths, cstate,
+               clock, stale_after, row, tmp, draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths,
+               trace, tpos, step_no):
+    """`AdaptiveController.step` in one call: with ``append``, the committed tokens go to the cache (its
+    ``append_batch``: on a negative token or a history without room it changes nothing and this returns its
+    code), then the cache proposes (its ``propose_batch`` into its output buffers), then `_ctl_step`. Returns
+    (append code, nodes proposed, then `_ctl_step`'s six values); a width index of -1: the pending pools lack
+    room (the cache's part is done, the controller's is not)."""
+    if append:
+        code = append_batch(cslots, toks, offs, max_depth, own, hists)
+        if code != 0:
+            return code, 0, -1, -1, 0, 0, 0.0, 0.0
+    n = propose_batch(cslots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob,
+                      o_src, offsets, mlens)
+    wi, why, need_d, need_n, expected, cost = _ctl_step(
+        slots, toks, offs, o_par[:n], o_prob[:n], o_src[:n], o_tok[:n], offsets, mlens, pend, alpha, cal, prior_mean,
+        strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain, may_explore, may_remeasure,
+        optimism, sc, lengths, trace, tpos, step_no)
+    return 0, n, wi, why, need_d, need_n, expected, cost
 
 
 class AdaptiveController:
@@ -230,12 +290,25 @@ class AdaptiveController:
         # per-step scratch, grown on demand
         W = len(widths)
         self._sc = Scratch(np.zeros(64, np.int64), np.zeros(64), np.zeros((8, W)), np.zeros(W), np.zeros(W))
-        # `step` calls the step kernel through its compiled entry point (see ngramspec.cache._Direct): every
-        # argument there has one fixed numba type (the cache's output buffers, this controller's own arrays)
+        # `step` calls its kernels through their compiled entry points (see ngramspec.cache._Direct): every
+        # argument there has one fixed numba type (the cache's state and output buffers, this controller's own
+        # arrays, token and slot arrays of one dtype and layout)
+        self._host_direct = _Direct(self, "_host_direct", _host_step)
         self._step_direct = _Direct(self, "_step_direct", _step_kernel)
-        self._tok_buf = np.zeros(256, np.int32)
         self._off_buf = np.zeros(9, np.int64)
-        self.trace: deque = deque(maxlen=int(trace_len))
+        self._one_off = np.zeros(2, np.int64)  # reused arguments of single-request steps
+        self._one_slot = np.zeros(1, np.int64)
+        self._one_cslot = np.zeros(1, np.int64)
+        # the cost row of the step's batch size, computed inside the step kernel
+        self._row = CostRow(np.zeros(W), np.zeros(W, np.bool_), np.zeros(W, np.bool_), np.zeros(W))
+        self._row_tmp = np.zeros(W)
+        # the decision trace: a ring the step kernel writes, read by `decisions()`
+        self._trace_len = int(trace_len)
+        if self._trace_len < 0:
+            raise ValueError(f"trace_len must be >= 0, got {trace_len!r}")
+        N = max(1, self._trace_len)
+        self._trace = Trace(np.zeros((N, 4), np.int64), np.zeros((N, 2)), np.zeros((N, W)))
+        self._n_traced = 0
         self._n_steps = 0
         self._n_explored = 0
         self._n_remeasured = 0
@@ -325,44 +398,75 @@ class AdaptiveController:
         B = len(slots)
         self._check_batch(B, batch)
         if B == 0:  # nothing to decode: a plain step of nobody, not counted
-            return Plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
+            return _new_plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
         return self._plan(slots, batch, waiting)
 
-    def _plan(self, slots: np.ndarray, batch: DraftBatch, waiting, toks=None, offs=None, from_cache=False) -> Plan:
-        """Observe ``toks``/``offs`` (tokens committed per request since the last step; None: none), then plan.
-        ``from_cache``: ``batch`` came from the cache's own output buffers (arrays of one fixed numba type each),
-        so the step kernel may be called through its compiled entry point."""
+    def _plan(self, slots: np.ndarray, batch: DraftBatch, waiting, toks=None, offs=None) -> Plan:
+        """Observe ``toks``/``offs`` (tokens committed per request since the last step; None: none), then plan."""
         B = len(slots)
-        offsets = batch.offsets
-        n = int(offsets[B])
+        n = int(batch.offsets[B])
         if n > self._sc.cells.shape[0] or B > self._sc.G.shape[0]:
             self._scratch(B, n)
-        row = self.costs.row(B)
-        self._n_steps += 1
-        may_explore = self._n_explored < self.explore_min + self.explore_frac * self._n_steps
-        # at most one re-measurement per stale_after steps
-        may_remeasure = self.stale_after is not None and self._n_remeasured * self.stale_after < self._n_steps
+        if B >= self.costs._prior_rows:
+            self.costs._ensure(B)
+        may_explore, may_remeasure = self._may()
         lengths = np.empty(B, np.int64)
         if toks is None:
             toks, offs = _NO_TOKENS, _NO_OFFSETS
+        wi, why, expected, cost = self._ctl_step(_step_kernel, slots, batch, toks, offs, waiting == 0 and B > 1,
+                                                 may_explore, may_remeasure, lengths)
+        return self._decided(wi, why, lengths, expected, cost)
+
+    def _may(self) -> tuple[bool, bool]:
+        """Whether this step may explore an unmeasured width, and re-measure a stale one (at most one
+        re-measurement per stale_after steps)."""
+        n = self._n_steps + 1
+        return (self._n_explored < self.explore_min + self.explore_frac * n,
+                self.stale_after is not None and self._n_remeasured * self.stale_after < n)
+
+    def _tpos(self) -> int:
+        """The trace row of the next decision (-1: none kept)."""
+        return self._n_traced % self._trace_len if self._trace_len else -1
+
+    def _ctl_step(self, kernel, slots, batch, toks, offs, draining, may_explore, may_remeasure, lengths):
+        """The controller's part of a step (`_ctl_step`, through ``kernel``), growing the pending pools as
+        needed. Returns (width index, reason index, expected tokens, estimated cost)."""
+        costs = self.costs
         while True:
-            wi, why, need_d, need_n = (self._step_direct if from_cache else _step_kernel)(
-                slots, toks, offs, batch.parents, batch.probs, batch.sources, batch.tokens, offsets,
+            wi, why, need_d, need_n, expected, cost = kernel(
+                slots, toks, offs, batch.parents, batch.probs, batch.sources, batch.tokens, batch.offsets,
                 batch.match_lens, self._pend, self.request_alpha, self.calibration, self.prior_mean,
-                self.prior_strength, self._widths, row, waiting == 0 and B > 1, self.min_gain, may_explore,
-                may_remeasure, self.explore_optimism, self._sc, lengths)
+                self.prior_strength, self._widths, costs.state, costs.clock, costs.stale_after, self._row,
+                self._row_tmp, draining, self.min_gain, may_explore, may_remeasure, self.explore_optimism, self._sc,
+                lengths, self._trace, self._tpos(), self._step + 1)
             if wi >= 0:
-                break
+                return wi, why, expected, cost
             self._pend = self._pend.grow_pool(need_d, need_n)  # nothing changed: grow the pools and go again
+
+    def _decided(self, wi: int, why: int, lengths: np.ndarray, expected: float, cost: float) -> Plan:
+        """Count a step the kernel decided (and recorded); its plan."""
+        self._n_steps += 1
         if why == 2:
             self._n_explored += 1
         elif why == 3:
             self._n_remeasured += 1
         self._step += 1
-        w = self.widths[wi]
-        tokens, cost = float(self._sc.expected[wi]), float(row.costs[wi])
-        self.trace.append((self._step, B, w, why, tokens, cost, self._sc.values.copy()))
-        return Plan(w, lengths, tokens, cost, _REASONS[why])
+        self._n_traced += 1
+        return _new_plan(self.widths[wi], lengths, expected, cost, _REASONS[why])
+
+    @property
+    def trace(self) -> list[tuple]:
+        """The recent decisions (the last ``trace_len``, oldest first) as (step, batch, width, reason index,
+        expected tokens, estimated cost, each width's value) tuples."""
+        N = self._trace_len
+        k = min(self._n_traced, N)
+        ints, floats, values = self._trace
+        out = []
+        for j in range(self._n_traced - k, self._n_traced):
+            i = j % N
+            st, B, w, why = (int(x) for x in ints[i])
+            out.append((st, B, w, why, float(floats[i, 0]), float(floats[i, 1]), values[i].copy()))
+        return out
 
     def decisions(self) -> list[dict]:
         """The recent decisions (the last ``trace_len``), readable: why each step got its width."""
@@ -393,12 +497,22 @@ class AdaptiveController:
         shadow_evaluate(slots, toks, offs, self._pend, self.request_alpha, self.calibration, self.prior_mean,
                         self.prior_strength)
 
-    def _flatten(self, committed: Sequence, rids) -> tuple[np.ndarray, np.ndarray]:
-        """Token lists -> validated (flat int32 tokens, int64 offsets), the offsets in a reused buffer."""
+    def _flatten(self, committed: Sequence, rids, negatives_ok: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Token lists -> validated (flat int32 tokens, int64 offsets), the offsets in a reused buffer.
+        ``negatives_ok``: int32 arrays are not checked for negative ids (the cache's append kernel checks them)."""
         B = len(committed)
         if B + 1 > self._off_buf.shape[0]:
             self._off_buf = np.zeros(max(B + 1, 2 * self._off_buf.shape[0]), np.int64)
         offs = self._off_buf[: B + 1]
+        if negatives_ok and B and type(committed[0]) is np.ndarray:
+            try:  # int32 arrays (e.g. slices of a trace): only their shapes are checked
+                if all([t.dtype is _I32 for t in committed]):
+                    flat = np.concatenate(committed)  # (raises for 0-d or mixed 1-d and n-d arrays)
+                    if type(flat) is np.ndarray and flat.ndim == 1:
+                        offs[1:] = list(accumulate(map(len, committed)))
+                        return flat, offs
+            except (AttributeError, TypeError, ValueError):
+                pass  # not arrays: checked below
         if all(type(t) is list for t in committed):  # the common case: lists of Python ints, checked in one pass
             flat = [x for t in committed for x in t]
             if all(type(x) in _INT_TYPES for x in flat) and (not flat or (min(flat) >= 0 and max(flat) < MAX_TOKEN)):
@@ -425,25 +539,93 @@ class AdaptiveController:
              tree: bool = True) -> tuple[DraftBatch, Plan]:
         """A server's whole host step for the batch ``rids``: the tokens each request committed since its last
         step (``committed[i]``, possibly empty; None: none) go to ``cache`` and to the controller, then the
-        cache proposes drafts of up to ``max_width - 1`` nodes and the controller plans the step. Four kernel
-        calls for the whole batch. Validates everything before changing anything. Returns (drafts, plan)."""
+        cache proposes drafts of up to ``max_width - 1`` nodes and the controller plans the step. One kernel
+        call for the whole batch. Validates everything before changing anything. Returns (drafts, plan)."""
+        if type(rids) is list and rids and (waiting is None or type(waiting) is int and waiting >= 0) and (
+                committed is None or type(committed) is list and len(committed) == len(rids)):
+            slots = self._fast_slots(cache, rids)
+            if slots is not None:
+                return self._run_step(cache, rids, slots[0], slots[1], committed, waiting, tree)
+        # anything else (an empty batch, other containers, bad input): validated in full, step by step
         check_waiting(waiting)
         slots = self._slots(rids)
         B = len(slots)
         cslots = np.array(cache._slots(rids), np.int64)
-        toks = offs = None
-        if committed is not None:
-            if len(committed) != B:
-                raise ValueError(f"{B} request ids but {len(committed)} token lists")
-            toks, offs = self._flatten(committed, rids)
-            if toks.size:
-                cache._append_flat(cslots, toks, offs)
-            else:
-                toks = offs = None
-        batch = cache._propose_slots(cslots, max(1, self.max_width - 1), bool(tree))
+        if committed is not None and len(committed) != B:
+            raise ValueError(f"{B} request ids but {len(committed)} token lists")
         if B == 0:
-            return batch, Plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
-        return batch, self._plan(slots, batch, waiting, toks, offs, from_cache=True)
+            return cache._propose_slots(cslots, max(1, self.max_width - 1), bool(tree)), \
+                _new_plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
+        return self._run_step(cache, rids, slots, cslots, committed, waiting, tree)
+
+    def _fast_slots(self, cache, rids: list) -> tuple[np.ndarray, np.ndarray] | None:
+        """The controller's and the cache's slots of ``rids`` (a non-empty list), or None when a request is
+        unknown to either, an id is not hashable or appears twice (the full validation then says which)."""
+        so, cso = self._slot_of, cache._slot_of
+        try:
+            if len(rids) == 1:
+                rid = rids[0]
+                slots, cslots = self._one_slot, self._one_cslot
+                slots[0] = so[rid]
+                cslots[0] = cso[rid]
+                return slots, cslots
+            B = len(rids)
+            if len(set(rids)) != B:
+                return None
+            return np.fromiter(map(so.__getitem__, rids), np.int64, B), np.fromiter(map(cso.__getitem__, rids),
+                                                                                   np.int64, B)
+        except (KeyError, TypeError):
+            return None
+
+    def _run_step(self, cache, rids, slots: np.ndarray, cslots: np.ndarray, committed, waiting, tree) -> tuple:
+        """``step`` for validated, distinct slots (int64 arrays) of a non-empty batch and ``committed`` of the
+        right length (or None)."""
+        B = slots.shape[0]
+        if committed is None:
+            toks, offs = _NO_TOKENS, _NO_OFFSETS
+        else:
+            t = committed[0]
+            if B == 1 and type(t) is np.ndarray and t.dtype is _I32 and t.ndim == 1 and t.flags.carray:
+                toks, offs = t, self._one_off  # (the append kernel checks for negative ids)
+                offs[1] = t.shape[0]
+            else:
+                toks, offs = self._flatten(committed, rids, negatives_ok=True)
+            if not toks.shape[0]:
+                toks, offs = _NO_TOKENS, _NO_OFFSETS
+        budget = max(1, self.max_width - 1)
+        o_tok, o_par, o_prob, o_src, offsets, mlens, bud = cache._propose_buffers(B, budget)
+        sc = self._sc
+        if B * budget > sc.cells.shape[0] or B > sc.G.shape[0]:
+            self._scratch(B, B * budget)
+        costs = self.costs
+        if B >= costs._prior_rows:
+            costs._ensure(B)
+        may_explore, may_remeasure = self._may()
+        draining = waiting == 0 and B > 1
+        lengths = np.empty(B, np.int64)
+        append = toks.shape[0] > 0
+        while True:
+            code, n, wi, why, need_d, need_n, expected, cost = self._host_direct(
+                cslots, toks, offs, append, cache.max_depth, cache._own_state, cache._hists, bud, bool(tree),
+                cache.use_shared, int(cache._ring[_S_EPOCH]), cache._shared_state, o_tok, o_par, o_prob, o_src,
+                offsets, mlens, slots, self._pend, self.request_alpha, self.calibration, self.prior_mean,
+                self.prior_strength, self._widths, costs.state, costs.clock, costs.stale_after, self._row,
+                self._row_tmp, draining, self.min_gain, may_explore, may_remeasure, self.explore_optimism, self._sc,
+                lengths, self._trace, self._tpos(), self._step + 1)
+            if code == 0:
+                break
+            if code < 0:  # a negative token id: nothing changed; the full validation names the request
+                self._flatten(committed, rids)
+                raise ValueError(f"committed tokens: token id {int(toks[-1 - code])} is out of range "
+                                 f"[0, {MAX_TOKEN + 1})")
+            cache._append(cslots, toks, offs)  # a history lacks room: the cache grows it and appends
+            append = False
+        batch = _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
+        if wi < 0:  # the cache's part is done; the controller's waits for room in its pending pools
+            self._pend = self._pend.grow_pool(need_d, need_n)
+            wi, why, expected, cost = self._ctl_step(self._step_direct, slots, batch, toks, offs, draining,
+                                                     may_explore, may_remeasure, lengths)
+        return batch, self._decided(wi, why, lengths, expected, cost)
 
     # ----------------------------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -539,4 +721,5 @@ _COUNTS = Calibration._fields[:6]  # the Beta counts: every state has them
 STATE_FORMAT = "ngramspec-controller-state"
 STATE_VERSION = 1
 _NO_TOKENS = np.zeros(0, np.int32)
+_S_EPOCH = _shared.S_EPOCH
 _NO_OFFSETS = np.zeros(1, np.int64)

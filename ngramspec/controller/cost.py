@@ -160,11 +160,14 @@ def _bucket_id(b):
 @njit(cache=True)
 def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
     """One measured step. Updates are clipped to [old / clip, old * clip] (clip <= 0: not clipped); a key not
-    measured for ``stale_after`` steps (<= 0: never stale) restarts from the new sample."""
+    measured for ``stale_after`` steps (<= 0: never stale) restarts from the new sample. Returns False, and
+    changes nothing, when a first sample of this (B, width) finds no room in ``blist`` (the caller grows it)."""
     ewma, last, blist, nblist, prior = s.ewma, s.last, s.blist, s.nblist, s.prior
     ratio, has_ratio = s.ratio, s.has_ratio
     g, has_g = s.global_ratio, s.has_global
     old = ewma[B, wi]
+    if np.isnan(old) and nblist[wi] >= blist.shape[1]:
+        return False
     if np.isnan(old):
         ewma[B, wi] = ms
         k = nblist[wi]
@@ -196,6 +199,7 @@ def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
         if clip > 0:
             x = min(max(x, g[0] / clip), g[0] * clip)
         g[0] = g[0] + alpha * (x - g[0])
+    return True
 
 
 @njit(cache=True)
@@ -371,6 +375,15 @@ class CostModel:
         return self._wi[int(width)]
 
     def observe(self, batch: int, width: int, ms: float) -> None:
+        """A measured step of ``batch`` requests at ``width``: ``ms``. ValueError, and nothing changes, for a
+        batch size < 1, a width not in ``widths`` or a duration that is not a positive finite number."""
+        if type(batch) is int and type(ms) is float and 0 < batch < self._prior_rows and 0.0 < ms < math.inf:
+            wi = self._wi.get(width) if type(width) is int else None  # the common case, checked in one line
+            if wi is not None and self._observe_kernel(self.state, batch, wi, ms, self.alpha, self.clip,
+                                                       self.clock + 1, self.stale_after):
+                self.clock += 1
+                self._rows.clear()
+                return
         wi = self._check(batch, width)
         if isinstance(ms, (bool, np.bool_)) or not isinstance(ms, (int, float, np.integer, np.floating)) \
                 or not (ms > 0 and math.isfinite(ms)):
@@ -384,8 +397,8 @@ class CostModel:
             self.state = s = s._replace(blist=grown)
         if batch_bucket(batch) > 1 << 36:
             raise ValueError(f"batch size {batch} is out of range")
+        self._observe_kernel(s, batch, wi, float(ms), self.alpha, self.clip, self.clock + 1, self.stale_after)
         self.clock += 1
-        self._observe_kernel(s, batch, wi, float(ms), self.alpha, self.clip, self.clock, self.stale_after)
         self._rows.clear()
 
     def row(self, batch: int) -> CostRow:

@@ -26,6 +26,14 @@ class Plan:
     reason: str  # "best", "explore", "re-measure", "no-draft" or "fixed"
 
 
+def _new_plan(width: int, lengths: np.ndarray, expected: float, cost: float, reason: str) -> Plan:
+    """``Plan(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (most of its cost on the
+    per-step path); the result is an ordinary, equal Plan."""
+    p = object.__new__(Plan)
+    p.__dict__.update(width=width, lengths=lengths, expected=expected, cost=cost, reason=reason)
+    return p
+
+
 @runtime_checkable
 class Controller(Protocol):
     """The controller protocol. ``max_width``: the widest verify it may choose, so drafts need at most

@@ -1,0 +1,200 @@
+"""`AdaptiveController.step` (one fused kernel call for commit + propose + plan) against the same step done verb
+by verb (`add_tokens_batch`, `observe_batch`, `propose`, `plan`) and against its own fully validated path (other
+containers than lists): the same drafts, plans and decision trace; bad input rejected with nothing changed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ngramspec import NgramCache
+from ngramspec.controller import AdaptiveController
+from ngramspec.sim.profiles import get_profile
+
+PROFILE = get_profile("seed-pcie8")
+
+
+def _records(seed, n):
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(0, 300, 250).tolist() for _ in range(3)]
+    recs = []
+    for i in range(n):
+        doc = docs[i % 3]
+        a = int(rng.integers(0, 100))
+        out = doc[a:a + 50] + rng.integers(0, 300, 30).tolist() + doc[a + 50:a + 110]
+        recs.append((doc[:180] + rng.integers(0, 300, 20).tolist(), out))
+    return recs
+
+
+def _verbwise(ctl, cache, rids, committed, waiting):
+    """What ``step`` does, one public verb at a time."""
+    if committed is not None and any(len(t) for t in committed):
+        cache.add_tokens_batch(rids, committed)
+        ctl.observe_batch(rids, committed)
+    batch = cache.propose(rids, ctl.max_width - 1)
+    return batch, ctl.plan(rids, batch, waiting=waiting)
+
+
+def _replay(mode, batch, steps=160, waiting_of=lambda n: n, trace_len=1000, commit_kind="array"):
+    """Replay synthetic requests with one way of stepping; the log of (drafts, plan) per step and the
+    controller."""
+    recs = _records(batch, 3 * batch + 2)
+    cache, ctl = NgramCache(max_depth=16), AdaptiveController(trace_len=trace_len)
+    pos, active, upcoming, committed, log = {}, [], 0, {}, []
+    for step in range(steps):
+        while len(active) < batch and upcoming < len(recs):
+            cache.start_request(upcoming, recs[upcoming][0])
+            ctl.start(upcoming)
+            pos[upcoming] = 0
+            active.append(upcoming)
+            upcoming += 1
+        if not active:
+            break
+        waiting = waiting_of(len(recs) - upcoming)
+        commits = [committed.pop(r, []) for r in active]
+        if commit_kind == "array":
+            commits = [np.asarray(c, np.int32) for c in commits]
+        if step % 7 == 3:
+            commits = None  # a step that reports nothing new (its tokens come with the next one)
+            for r in active:
+                committed[r] = []
+        if mode == "step":
+            b, p = ctl.step(cache, list(active), commits, waiting=waiting)
+        elif mode == "checked":  # tuples: the fully validated path
+            b, p = ctl.step(cache, tuple(active), None if commits is None else tuple(commits), waiting=waiting)
+        else:
+            b, p = _verbwise(ctl, cache, list(active), commits, waiting)
+        log.append((p.width, p.lengths.tolist(), p.expected, p.cost, p.reason, b.tokens.tolist(),
+                    b.parents.tolist(), b.offsets.tolist(), b.match_lens.tolist()))
+        for i, rid in enumerate(list(active)):
+            out = recs[rid][1]
+            a, k = int(b.offsets[i]), int(p.lengths[i])
+            toks, pars = b.tokens[a:a + k].tolist(), b.parents[a:a + k].tolist()
+            cur, n = -1, 0
+            for t in out[pos[rid]:]:
+                nxt = next((j for j in range(k) if pars[j] == cur and toks[j] == t), -1)
+                if nxt < 0:
+                    break
+                cur, n = nxt, n + 1
+            n = min(n + 1, len(out) - pos[rid])
+            committed[rid] = committed.get(rid, []) + out[pos[rid]:pos[rid] + n]
+            pos[rid] += n
+        ctl.observe_step(len(active), p.width, PROFILE.cost_ms(len(active), p.width))
+        for rid in [r for r in active if pos[r] == len(recs[r][1])]:
+            active.remove(rid)
+            committed.pop(rid, None)
+            cache.finish_request(rid)
+            ctl.finish(rid)
+    return log, ctl
+
+
+@pytest.mark.parametrize("batch, waiting, kind", [(1, "queue", "array"), (1, "queue", "list"),
+                                                  (4, "unknown", "array"), (4, "drain", "list")])
+def test_step_takes_the_decisions_of_the_verbs_one_by_one(batch, waiting, kind):
+    waiting_of = {"queue": lambda n: n, "unknown": lambda n: None, "drain": lambda n: 0}[waiting]
+    runs = {mode: _replay(mode, batch, waiting_of=waiting_of, commit_kind=kind)
+            for mode in ("step", "checked", "verbs")}
+    (log, ctl), others = runs["step"], [runs["checked"], runs["verbs"]]
+    assert len(log) > 100 and len({e[0] for e in log}) > 1  # drafts were sent
+    for other_log, other_ctl in others:
+        assert log == other_log
+        assert ctl.decisions() == other_ctl.decisions()
+        assert np.array_equal(ctl.calibration.trials, other_ctl.calibration.trials)
+
+
+def test_the_decision_trace_keeps_the_last_trace_len_steps_in_order():
+    log, full = _replay("step", 2, steps=60)
+    _, short = _replay("step", 2, steps=60, trace_len=7)
+    _, none = _replay("step", 2, steps=60, trace_len=0)
+    assert len(full.decisions()) == len(log)
+    assert short.decisions() == full.decisions()[-7:]
+    assert [d["step"] for d in short.decisions()] == list(range(len(log) - 6, len(log) + 1))
+    assert none.decisions() == [] and none.trace == []
+    assert len(full.trace) == len(log) and full.trace[-1][0] == len(log)
+
+
+def _ready():
+    cache, ctl = NgramCache(max_depth=8), AdaptiveController((1, 2, 4, 8))
+    for rid in ("a", "b"):
+        cache.start_request(rid, [1, 2, 3, 1, 2, 3, 1, 2])
+        ctl.start(rid)
+    ctl.step(cache, ["a", "b"], None)
+    return cache, ctl
+
+
+def _state(cache, ctl):
+    return (cache.history("a").tolist(), cache.history("b").tolist(), ctl.calibration.trials.copy(),
+            ctl._pend.nd.copy(), ctl._pend.nn.copy(), ctl._n_steps, ctl._step, len(ctl.trace))
+
+
+def _same(s1, s2):
+    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(s1, s2))
+
+
+@pytest.mark.parametrize("rids, committed, error, match", [
+    (["a"], [np.array([3, -1], np.int32)], ValueError, "request 'a'.*out of range"),
+    (["a", "b"], [np.array([3], np.int32), np.array([-2], np.int32)], ValueError, "request 'b'.*out of range"),
+    (["a"], [[3, -1]], ValueError, "out of range"),
+    (["a", "b"], [np.array([3], np.int32), np.array([True])], TypeError, "request 'b'.*integer"),
+    (["a", "b"], [np.array([3], np.int32), np.array([[3]], np.int32)], ValueError, "one-dimensional"),
+    (["a", "b"], [np.array([[3]], np.int32), np.array([[3]], np.int32)], ValueError, "one-dimensional"),
+    (["a", "b"], [np.array([3], np.int32), np.int32(3)], TypeError, "request 'b'"),
+    (["a", "b"], [np.array([3], np.int32), [2**31]], ValueError, "out of range"),
+    (["a"], [np.array([2**31], np.int64)], ValueError, "out of range"),
+    (["a"], [[1.5]], TypeError, "integer"),
+    (["a", "b"], [[1]], ValueError, "token lists"),
+    (["a", "a"], [[1], [2]], ValueError, "twice"),
+    (["a", "zz"], [[1], [2]], KeyError, "unknown"),
+    ([["a"]], [[1]], TypeError, "hashable"),
+])
+def test_bad_step_input_is_rejected_and_changes_nothing(rids, committed, error, match):
+    cache, ctl = _ready()
+    before = _state(cache, ctl)
+    with pytest.raises(error, match=match):
+        ctl.step(cache, rids, committed)
+    assert _same(before, _state(cache, ctl))
+
+
+def test_a_request_the_cache_does_not_know_is_rejected_and_changes_nothing():
+    cache, ctl = _ready()
+    ctl.start("c")  # known to the controller only
+    before = _state(cache, ctl)
+    with pytest.raises(KeyError, match="'c'"):
+        ctl.step(cache, ["a", "c"], [[1], [2]])
+    with pytest.raises(KeyError, match="'c'"):
+        ctl.step(cache, ["c"], [np.array([2], np.int32)])
+    with pytest.raises(ValueError, match="waiting"):
+        ctl.step(cache, ["a"], [[1]], waiting=-1)
+    assert _same(before, _state(cache, ctl))
+
+
+def test_step_grows_histories_and_pending_pools_as_the_verbs_do():
+    """Long commits (histories grow inside the step) and many steps whose drafts stay pending (the pools grow):
+    the same drafts and plans as verb by verb."""
+    rng = np.random.default_rng(3)
+    period = rng.integers(0, 1000, 40).tolist()
+    logs = []
+    for mode in ("step", "verbs"):
+        cache, ctl = NgramCache(max_depth=16), AdaptiveController()
+        for rid in (0, 1):
+            cache.start_request(rid, period * 2)
+            ctl.start(rid)
+        log = []
+        for step in range(120):
+            if step % 40 == 39:  # a long commit: more than the history has room for
+                commits = [np.array(period * 8, np.int32), period * 9]
+            else:
+                commits = None  # nothing committed: every draft stays pending
+            if mode == "step":
+                b, p = ctl.step(cache, [0, 1], commits, waiting=1)
+            else:
+                b, p = _verbwise(ctl, cache, [0, 1], commits, 1)
+            ctl.observe_step(2, p.width, PROFILE.cost_ms(2, p.width))
+            log.append((p.width, p.lengths.tolist(), p.expected, p.reason, b.tokens.tolist(), b.offsets.tolist()))
+        logs.append((log, ctl.decisions(), cache.history(0).tolist(), ctl._pend.start.shape[1]))
+    assert logs[0] == logs[1]
+    assert logs[0][3] > 4  # the pending pools grew (from 4 drafts per request)
+
+
+def test_a_negative_trace_len_is_rejected():
+    with pytest.raises(ValueError, match="trace_len"):
+        AdaptiveController(trace_len=-1)
