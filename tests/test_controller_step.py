@@ -198,3 +198,35 @@ def test_step_grows_histories_and_pending_pools_as_the_verbs_do():
 def test_a_negative_trace_len_is_rejected():
     with pytest.raises(ValueError, match="trace_len"):
         AdaptiveController(trace_len=-1)
+
+
+def test_step_follows_every_replaced_part_of_its_state():
+    """The fused step reads the cache's and the controller's arrays through one bundle; it must follow every
+    replacement of a part: another cache, pending slots grown (more requests than the pool has rows), cost tables
+    grown (larger batches), a learned state loaded mid-run. Same drafts and plans as verb by verb."""
+    _, donor = _replay("step", 4)
+    state = donor.state_dict()
+    rng = np.random.default_rng(5)
+    period = rng.integers(0, 500, 30).tolist()
+    logs = []
+    for mode in ("step", "verbs"):
+        caches, ctl = (NgramCache(max_depth=16), NgramCache(max_depth=16)), AdaptiveController()
+        for rid in range(24):
+            caches[rid % 2].start_request(rid, period * 2 + [rid])
+            ctl.start(rid)
+        log = []
+        for step in range(60):
+            c = step % 2
+            rids = [r for r in range(24) if r % 2 == c][: 2 + step // 6]
+            commits = [period[(step + r) % 28:(step + r) % 28 + 2] for r in rids]
+            if step == 30:
+                ctl.load_state_dict(state)
+            if mode == "step":
+                b, p = ctl.step(caches[c], rids, commits, waiting=1)
+            else:
+                b, p = _verbwise(ctl, caches[c], rids, commits, 1)
+            ctl.observe_step(len(rids), p.width, PROFILE.cost_ms(len(rids), p.width))
+            log.append((p.width, p.lengths.tolist(), p.expected, p.reason, b.tokens.tolist(), b.offsets.tolist()))
+        logs.append((log, ctl.decisions()))
+    assert logs[0] == logs[1]
+    assert len({e[0] for e in logs[0][0]}) > 1
