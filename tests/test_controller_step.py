@@ -8,6 +8,7 @@ import pytest
 
 from ngramspec import NgramCache
 from ngramspec.controller import AdaptiveController
+from ngramspec.controller.adaptive import _host_step
 from ngramspec.sim.profiles import get_profile
 
 PROFILE = get_profile("seed-pcie8")
@@ -230,3 +231,55 @@ def test_step_follows_every_replaced_part_of_its_state():
         logs.append((log, ctl.decisions()))
     assert logs[0] == logs[1]
     assert len({e[0] for e in logs[0][0]}) > 1
+
+
+def test_a_loaded_state_of_another_memory_layout_takes_the_same_decisions():
+    """A state whose arrays come in Fortran order (e.g. written by other tools): loaded, it must not change what
+    the step's compiled entry point reads (it takes C-ordered arrays)."""
+    _, donor = _replay("step", 4)
+    state = donor.state_dict()
+    fortran = {k: np.asfortranarray(v) if isinstance(v, np.ndarray) and v.ndim == 2 else v for k, v in state.items()}
+    assert any(v.ndim == 2 and not v.flags.c_contiguous for v in fortran.values())
+    logs = []
+    for data in (state, fortran):
+        rng = np.random.default_rng(9)
+        period = rng.integers(0, 500, 30).tolist()
+        cache, ctl = NgramCache(max_depth=16), AdaptiveController()
+        for rid in range(4):
+            cache.start_request(rid, period * 2 + [rid])
+            ctl.start(rid)
+        log = []
+        for step in range(40):
+            if step == 5:
+                ctl.load_state_dict(data)
+            commits = [period[(step + r) % 28:(step + r) % 28 + 2] for r in range(4)]
+            b, p = ctl.step(cache, [0, 1, 2, 3], commits, waiting=1)
+            ctl.observe_step(4, p.width, PROFILE.cost_ms(4, p.width))
+            log.append((p.width, p.lengths.tolist(), p.expected, p.reason, b.tokens.tolist()))
+        logs.append((log, ctl.decisions()))
+    assert logs[0] == logs[1]
+
+
+def test_state_arrays_of_another_layout_go_through_the_dispatcher():
+    """The step calls the compiled entry point of the state types of its first call; state arrays of another
+    numba type (here: the per-step scratch in Fortran order) must go through numba's dispatcher instead, which
+    compiles for them, with the same decisions."""
+    logs = []
+    for fortran in (False, True):
+        rng = np.random.default_rng(11)
+        period = rng.integers(0, 500, 30).tolist()
+        cache, ctl = NgramCache(max_depth=16), AdaptiveController()
+        for rid in range(3):
+            cache.start_request(rid, period * 2 + [rid])
+            ctl.start(rid)
+        log = []
+        for step in range(40):
+            if step == 3 and fortran:
+                ctl._sc = type(ctl._sc)(*(np.asfortranarray(a) for a in ctl._sc))
+            commits = [period[(step + r) % 28:(step + r) % 28 + 2] for r in range(3)]
+            b, p = ctl.step(cache, [0, 1, 2], commits, waiting=1)
+            ctl.observe_step(3, p.width, PROFILE.cost_ms(3, p.width))
+            log.append((p.width, p.lengths.tolist(), p.expected, p.reason, b.tokens.tolist()))
+        logs.append((log, ctl.decisions()))
+        assert (ctl._host_direct is _host_step) == fortran  # the dispatcher took over, and only then
+    assert logs[0] == logs[1]

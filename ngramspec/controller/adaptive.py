@@ -62,6 +62,7 @@ from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 from numba import njit, types
+from numba.core.typing.typeof import Purpose, typeof
 from numba.experimental import structref
 
 from ngramspec import _shared
@@ -324,6 +325,7 @@ class AdaptiveController:
         self._host_direct = _Direct(self, "_host_direct", _host_step)
         self._st = None  # the StepState of the last step and the parts it was built from
         self._st_parts = ()
+        self._st_kind = None  # its numba type, which the compiled entry point of `_host_direct` takes
         self._step_direct = _Direct(self, "_step_direct", _step_kernel)
         self._off_buf = np.zeros(9, np.int64)
         self._one_off = np.zeros(2, np.int64)  # reused arguments of single-request steps
@@ -599,6 +601,11 @@ class AdaptiveController:
                                             self.calibration, self.prior_mean, self._widths, self.costs.state,
                                             self._row, self._row_tmp, self._sc, self._trace)
             self._st_parts = (cache._own_state, self._pend, self.costs.state, self._sc, self.calibration)
+            kind = typeof(st, Purpose.argument)
+            if self._st_kind is None:
+                self._st_kind = kind
+            elif kind != self._st_kind:  # an array of another dtype or layout: not what the entry point takes
+                self._host_direct = _host_step
         return st
 
     def _fast_slots(self, cache, rids: list) -> tuple[np.ndarray, np.ndarray] | None:
