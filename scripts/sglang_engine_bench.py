@@ -101,6 +101,7 @@ CONFIGS = {
     "ngram": dict(speculative_algorithm="NGRAM"),  # SGLang's own n-gram speculation at its defaults
     "adaptive": dict(speculative_algorithm="NGRAM_ADAPTIVE"),
     "adaptive_w1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1}),
+    "adaptive_cw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": True}),
     "adaptive_chain": dict(speculative_algorithm="NGRAM_ADAPTIVE", speculative_ngram_max_bfs_breadth=1),
 }
 

@@ -283,3 +283,31 @@ def test_state_arrays_of_another_layout_go_through_the_dispatcher():
         logs.append((log, ctl.decisions()))
         assert (ctl._host_direct is _host_step) == fortran  # the dispatcher took over, and only then
     assert logs[0] == logs[1]
+
+
+def test_a_switch_cost_makes_drafting_dearer_for_that_step_only():
+    """``switch_cost`` (ms) is added to every width > 1 of one step: large enough, the step decodes plainly; the
+    next step without it drafts as before. A bad value is rejected and changes nothing."""
+    period = list(range(100, 140))
+    plans = {}
+    for switch in (0.0, 1e6):
+        cache, ctl = NgramCache(max_depth=16), AdaptiveController()
+        cache.start_request(0, period * 4)
+        ctl.start(0)
+        for _ in range(30):  # learn that drafting pays here
+            b, p = ctl.step(cache, [0], None, waiting=0)
+            ctl.observe_step(1, p.width, PROFILE.cost_ms(1, p.width))
+            cache.add_tokens(0, period[:1])
+            ctl.observe_tokens(0, period[:1])
+            period = period[1:] + period[:1]
+        _, during = ctl.step(cache, [0], None, waiting=0, switch_cost=switch)
+        _, after = ctl.step(cache, [0], None, waiting=0)
+        plans[switch] = during.width, after.width
+        for bad in (-1.0, float("nan"), float("inf"), "1", True):
+            before = ctl.decisions()
+            with pytest.raises(ValueError, match="switch_cost"):
+                ctl.step(cache, [0], None, waiting=0, switch_cost=bad)
+            with pytest.raises(ValueError, match="switch_cost"):
+                ctl.plan([0], cache.propose([0], 15), waiting=0, switch_cost=bad)
+            assert ctl.decisions() == before
+    assert plans[0.0][0] > 1 and plans[1e6][0] == 1 and plans[1e6][1] > 1

@@ -41,6 +41,8 @@ ADAPTIVE_CONFIG_KEYS = {
     "controller": "keyword options of ngramspec.controller.AdaptiveController (e.g. prior: a calibration JSON path)",
     "state_file": "path of the controller's learned state: loaded at start-up if it exists, written by TP rank 0",
     "state_save_minutes": "minutes between writes of state_file (and once at exit); default 10",
+    "charge_waits_to_drafts": "true: the wait a drafting step causes the plain step after it is charged to "
+                              "starting to draft, not to plain decoding; default false",
 }
 
 
@@ -57,6 +59,7 @@ class AdaptiveConfig:
     controller: Mapping[str, Any] = field(default_factory=dict)
     state_file: str | None = None
     state_save_minutes: float = DEFAULT_STATE_SAVE_MINUTES
+    charge_waits_to_drafts: bool = False
 
     def __post_init__(self):
         widths = tuple(self.widths)
@@ -74,6 +77,8 @@ class AdaptiveConfig:
             raise ValueError(f"--speculative-ngram-capacity must be an int >= 4096, got {self.capacity!r}")
         if not _is_int(self.tp_sync_interval) or self.tp_sync_interval < 1:
             raise ValueError(f"tp_sync_interval must be an int >= 1, got {self.tp_sync_interval!r}")
+        if not isinstance(self.charge_waits_to_drafts, bool):
+            raise ValueError(f"charge_waits_to_drafts must be true or false, got {self.charge_waits_to_drafts!r}")
         if not isinstance(self.tree, bool):
             raise ValueError(f"tree must be true or false, got {self.tree!r}")
         if not isinstance(self.controller, Mapping):
@@ -156,4 +161,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         controller=data.get("controller", {}),
         state_file=data.get("state_file"),
         state_save_minutes=data.get("state_save_minutes", DEFAULT_STATE_SAVE_MINUTES),
+        charge_waits_to_drafts=data.get("charge_waits_to_drafts", False),
     )

@@ -64,11 +64,13 @@ class RequestView:
 
 @dataclass(frozen=True)
 class DurationSample:
-    """One verify step as measured on TP rank 0."""
+    """One verify step as measured on TP rank 0 (``after_draft``: a plain step that waited for a drafting
+    step's tokens, see `DraftPlanner.record_wait`)."""
 
     width: int
     batch_size: int
     seconds: float
+    after_draft: bool = False
 
 
 def make_controller(config: AdaptiveConfig):
@@ -179,11 +181,15 @@ class DraftPlanner:
         self._last: dict[Hashable, tuple[int, int]] = {}  # rid -> (committed length at planning, drafted)
         self._local_durations: list[DurationSample] = []
         self._steps = 0
+        self._wait_ms: dict[int, float] = {}  # batch size -> what a plain step after a drafting step costs extra
+        self._wait_any: float | None = None  # the same over every batch size
 
     # ----------------------------------------------------------------------------------- per step
-    def plan(self, views: Sequence[RequestView], waiting: int | None = None) -> StepPlan:
+    def plan(self, views: Sequence[RequestView], waiting: int | None = None, after_draft: bool = False) -> StepPlan:
         """Sync cache and controller with `views`, share timings, choose width and drafts. ``waiting``: the
-        scheduler's queue length (identical on every TP rank), or None when unknown."""
+        scheduler's queue length (identical on every TP rank), or None when unknown. ``after_draft``: the last
+        decode step drafted; if not, and waits were recorded (`record_wait`), drafting now is charged the wait
+        its end will cost a plain step."""
         if not views:
             raise ValueError("plan() needs at least one request")
         rids, totals, committed, accepted = self._collect(views)
@@ -192,13 +198,18 @@ class DraftPlanner:
             samples = self.broadcast(self._local_durations if self.is_timing_rank else None) or []
             self._local_durations = []
             for s in samples:
-                self.controller.observe_step(s.batch_size, s.width, s.seconds * 1000.0)
+                if s.after_draft:
+                    self._note_wait(s.batch_size, s.seconds * 1000.0)
+                else:
+                    self.controller.observe_step(s.batch_size, s.width, s.seconds * 1000.0)
         self._steps += 1
 
         ctl = self.controller
         if type(ctl) is AdaptiveController and not (self._untracked and any(r in self._untracked for r in rids)):
             # the fast path: commit, propose and plan for the whole batch in a few kernel calls
-            batch, decision = ctl.step(self.cache, rids, committed, waiting=waiting, tree=self.config.tree)
+            switch = 0.0 if after_draft or self._wait_any is None else self._wait_ms.get(len(rids), self._wait_any)
+            batch, decision = ctl.step(self.cache, rids, committed, waiting=waiting, tree=self.config.tree,
+                                       switch_cost=switch)
         else:
             new_rids = [r for r, t in zip(rids, committed) if len(t) and r not in self._untracked]
             if new_rids:
@@ -217,7 +228,7 @@ class DraftPlanner:
         self.stats.record_step(plan, drafted)
         return plan
 
-    def record_duration(self, width: int, batch_size: int, seconds: float) -> None:
+    def record_duration(self, width: int, batch_size: int, seconds: float, *, after_draft: bool = False) -> None:
         """A measured verify step (only kept on the timing rank; shared at the next sync step). ValueError for a
         width not in the configured widths, a batch size < 1 or a duration that is not positive and finite."""
         if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or int(width) not in self.config.widths:
@@ -228,7 +239,22 @@ class DraftPlanner:
                 or not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"step duration must be a positive finite number of seconds, got {seconds!r}")
         if self.is_timing_rank:
-            self._local_durations.append(DurationSample(int(width), int(batch_size), float(seconds)))
+            self._local_durations.append(DurationSample(int(width), int(batch_size), float(seconds), after_draft))
+
+    def record_wait(self, batch_size: int, seconds: float) -> None:
+        """A plain step measured right after a drafting step (it waited for that step's tokens). Shared like the
+        durations; its excess over the controller's estimate of a plain step is then charged to every step that
+        starts drafting. Same checks as `record_duration`."""
+        self.record_duration(1, batch_size, seconds, after_draft=True)
+
+    def _note_wait(self, batch_size: int, ms: float) -> None:
+        """Fold a shared wait sample into the per-batch-size excess (the same on every TP rank)."""
+        if not isinstance(self.controller, AdaptiveController):
+            return
+        extra = max(0.0, ms - self.controller.costs.estimate(batch_size, 1))
+        old = self._wait_ms.get(batch_size)
+        self._wait_ms[batch_size] = extra if old is None else old + 0.2 * (extra - old)
+        self._wait_any = extra if self._wait_any is None else self._wait_any + 0.2 * (extra - self._wait_any)
 
     def release(self, rids) -> None:
         """Requests that left the decode batch: their output joins the shared cache."""

@@ -15,6 +15,12 @@ would set that width's estimate, and through it the estimates of the widths neve
 controller never tries them again.
 Marks are CUDA events on the forward stream (read without blocking, once the GPU has passed them), or host
 clock readings where there is no GPU.
+
+A plain step right after a drafting step waits for that step's tokens before it can even plan, so it costs
+more than a plain step after a plain one; recorded as a plain step's cost, that wait makes plain decoding look
+dearer, and drafting cheaper, the more the controller drafts. Given ``record_wait``, such periods go there
+instead (``record_wait(batch_size, seconds)``), for the caller to charge to starting a draft (see
+`DraftPlanner.record_wait`).
 """
 from __future__ import annotations
 
@@ -28,8 +34,10 @@ class StepTimer:
 
     def __init__(self, record: Callable[[int, int, float], None], mark: Callable[[], Any],
                  passed: Callable[[Any], bool], seconds: Callable[[Any, Any], float], max_period_s: float = 10.0,
-                 drop_first_of_each_shape: bool = True):
+                 drop_first_of_each_shape: bool = True, record_wait: Callable[[int, float], None] | None = None):
         self._record = record
+        self._record_wait = record_wait
+        self._last_width = 1  # the width of the step launched last
         self._mark = mark
         self._passed = passed
         self._seconds = seconds
@@ -42,22 +50,24 @@ class StepTimer:
         self.dropped = 0
 
     @classmethod
-    def for_device(cls, record, device_module=None) -> "StepTimer":
+    def for_device(cls, record, device_module=None, record_wait=None) -> "StepTimer":
         """CUDA events when ``device_module`` (e.g. ``torch.cuda``) is given, else the host clock."""
         if device_module is None:
-            return cls(record, time.perf_counter, lambda m: True, lambda a, b: b - a)
+            return cls(record, time.perf_counter, lambda m: True, lambda a, b: b - a, record_wait=record_wait)
 
         def mark():
             event = device_module.Event(enable_timing=True)
             event.record()
             return event
 
-        return cls(record, mark, lambda e: e.query(), lambda a, b: a.elapsed_time(b) / 1000.0)
+        return cls(record, mark, lambda e: e.query(), lambda a, b: a.elapsed_time(b) / 1000.0,
+                   record_wait=record_wait)
 
     def step_launched(self, width: int, batch_size: int) -> None:
         """Call after a decode step's work was launched."""
-        self._queue.append((int(width), int(batch_size), self._mark(), self._chained))
+        self._queue.append((int(width), int(batch_size), self._mark(), self._chained, self._last_width > 1))
         self._chained = True
+        self._last_width = int(width)
         self.harvest()
 
     def interrupt(self) -> None:
@@ -67,14 +77,17 @@ class StepTimer:
     def harvest(self) -> None:
         """Record every step whose end the device has passed (never waits)."""
         while self._queue and self._passed(self._queue[0][2]):
-            width, batch_size, mark, chained = self._queue.popleft()
+            width, batch_size, mark, chained, after_draft = self._queue.popleft()
             if chained and self._last is not None:
                 period = self._seconds(self._last, mark)
                 if self._seen is not None and (width, batch_size) not in self._seen:
                     self._seen.add((width, batch_size))
                     self.dropped += 1
                 elif 0.0 < period <= self._max_period_s:
-                    self._record(width, batch_size, period)
+                    if width == 1 and after_draft and self._record_wait is not None:
+                        self._record_wait(batch_size, period)
+                    else:
+                        self._record(width, batch_size, period)
                     self.recorded += 1
                 else:
                     self.dropped += 1

@@ -108,6 +108,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._profile = _HostProfile.from_env(self._tp_group.rank_in_group)
         self._timer = StepTimer.for_device(
             self._record_duration, None if _is_cpu else torch.get_device_module(self.device),
+            record_wait=self._record_wait if self.config.charge_waits_to_drafts else None,
         )
         self._drafted_last = False  # the last decode step drafted: the next one waits for its tokens
         self._backoff = PlanBackoff()  # plan less often while plans draft nothing
@@ -134,6 +135,9 @@ class NgramAdaptiveWorker(NGRAMWorker):
             broadcast=lambda obj: tp.broadcast_object(obj, src=0),
             max_requests=self._max_requests,
         )
+
+    def _record_wait(self, batch_size: int, seconds: float) -> None:
+        self.planner.record_wait(batch_size, seconds)
 
     def _record_duration(self, width: int, batch_size: int, seconds: float) -> None:
         self.planner.record_duration(width, batch_size, seconds)
@@ -362,14 +366,14 @@ class NgramAdaptiveWorker(NGRAMWorker):
                 return result
         # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
         views = request_views(batch, relayed and not lagging)
-        plan = self.planner.plan(views, waiting=self.waiting_requests)
+        plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last)
         if lagging and plan.width == 1:
             roots = self._last_tokens(batch, rids)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
             t1 = time.perf_counter()
             views = request_views(batch, True)
             waited = time.perf_counter() - t1
-            plan = self.planner.plan(views, waiting=self.waiting_requests)
+            plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last)
             lagging = False
         t_plan = time.perf_counter()
         if plan.width == 1 and plain_fits:

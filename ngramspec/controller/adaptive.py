@@ -171,11 +171,12 @@ class Trace(NamedTuple):
 @njit(cache=True)
 def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal, prior_mean,
               strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain, may_explore, may_remeasure,
-              optimism, sc, lengths, trace, tpos, step_no):
+              optimism, sc, lengths, trace, tpos, step_no, switch):
     """The controller's whole step: shadow-evaluate the pending drafts against the tokens committed since the
     last step (``toks``/``offs``, one slice per request; ``offs`` of length 1: none), compute the cost row of
     this batch size (into ``row`` and ``tmp``, from the cost state ``cstate``), choose the width for the new
-    drafts, queue them and record the decision in row ``tpos`` of ``trace`` (tpos < 0: not recorded). Returns
+    drafts (every width > 1 costing ``switch`` more), queue them and record the decision in row ``tpos`` of
+    ``trace`` (tpos < 0: not recorded). Returns
     (width index, reason index, drafts, nodes, expected tokens, estimated cost): if the pending pools lack room
     it changes nothing and returns (-1, -1, drafts, nodes, 0, 0) they need per request."""
     need_d, need_n = pend_room(slots, offsets, pend)
@@ -183,6 +184,10 @@ def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens
         return -1, -1, need_d, need_n, 0.0, 0.0
     B = slots.shape[0]
     _cost_row_all(cstate, B, widths, clock, stale_after, row.costs, row.measured, row.stale, row.implied, tmp)
+    if switch > 0.0:
+        for w in range(widths.shape[0]):
+            if widths[w] > 1:
+                row.costs[w] += switch
     if offs.shape[0] > 1:
         shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength)
     best, reason = _choose(parents, probs, sources, offsets, mlens, slots, pend.success, pend.run, cal, prior_mean,
@@ -204,11 +209,11 @@ def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens
 @njit(cache=True)
 def _step_kernel(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal, prior_mean,
                  strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain, may_explore,
-                 may_remeasure, optimism, sc, lengths, trace, tpos, step_no):
+                 may_remeasure, optimism, sc, lengths, trace, tpos, step_no, switch):
     """`_ctl_step` as a kernel of its own (``plan``, ``step``'s fallback when the pending pools had to grow)."""
     return _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal,
                      prior_mean, strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain,
-                     may_explore, may_remeasure, optimism, sc, lengths, trace, tpos, step_no)
+                     may_explore, may_remeasure, optimism, sc, lengths, trace, tpos, step_no, switch)
 
 
 @structref.register
@@ -241,7 +246,7 @@ def _new_step_state(own, hists, shared, pend, cal, prior_mean, widths, cstate, r
 @njit(cache=True)
 def _host_step(cslots, toks, offs, append, max_depth, st, budgets, tree, use_shared, epoch, o_tok, o_par, o_prob,
                o_src, offsets, mlens, slots, alpha, strength, clock, stale_after, draining, min_gain, may_explore,
-               may_remeasure, optimism, lengths, tpos, step_no):
+               may_remeasure, optimism, lengths, tpos, step_no, switch):
     """`AdaptiveController.step` in one call, on the state bundles of ``st`` (`StepState`): with ``append``, the
     committed tokens go to the cache (its ``append_batch``: on a negative token or a history without room it
     changes nothing and this returns its code), then the cache proposes (its ``propose_batch`` into its output
@@ -257,7 +262,7 @@ def _host_step(cslots, toks, offs, append, max_depth, st, budgets, tree, use_sha
     wi, why, need_d, need_n, expected, cost = _ctl_step(
         slots, toks, offs, o_par[:n], o_prob[:n], o_src[:n], o_tok[:n], offsets, mlens, st.pend, alpha, st.cal,
         st.prior_mean, strength, st.widths, st.cstate, clock, stale_after, st.row, st.tmp, draining, min_gain,
-        may_explore, may_remeasure, optimism, st.sc, lengths, st.trace, tpos, step_no)
+        may_explore, may_remeasure, optimism, st.sc, lengths, st.trace, tpos, step_no, switch)
     return 0, n, wi, why, need_d, need_n, expected, cost
 
 
@@ -419,21 +424,25 @@ class AdaptiveController:
                     self._widths, P, G)
         return P, cells
 
-    def plan(self, rids: Sequence[Hashable], batch: DraftBatch, waiting: int | None = None) -> Plan:
+    def plan(self, rids: Sequence[Hashable], batch: DraftBatch, waiting: int | None = None,
+             switch_cost: float = 0.0) -> Plan:
         """Pick the width and per-request prefixes for this step; records the drafts for calibration.
 
         ``waiting``: requests queued behind this batch (the scheduler's queue length), or None if unknown.
         0 switches the objective from the batch's tokens per unit time to the requests' geometric-mean speed
-        (see the module docstring). Nothing changes when it raises."""
+        (see the module docstring). ``switch_cost``: ms added to the cost of every width > 1 for this step only,
+        what drafting now costs beyond its own step (a server that must wait after a drafting step before the
+        next plain one passes that wait while the last step was plain). Nothing changes when it raises."""
         check_waiting(waiting)
+        switch = _check_switch(switch_cost)
         slots = self._slots(rids)
         B = len(slots)
         self._check_batch(B, batch)
         if B == 0:  # nothing to decode: a plain step of nobody, not counted
             return _new_plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
-        return self._plan(slots, batch, waiting)
+        return self._plan(slots, batch, waiting, switch=switch)
 
-    def _plan(self, slots: np.ndarray, batch: DraftBatch, waiting, toks=None, offs=None) -> Plan:
+    def _plan(self, slots: np.ndarray, batch: DraftBatch, waiting, toks=None, offs=None, switch=0.0) -> Plan:
         """Observe ``toks``/``offs`` (tokens committed per request since the last step; None: none), then plan."""
         B = len(slots)
         n = int(batch.offsets[B])
@@ -446,7 +455,7 @@ class AdaptiveController:
         if toks is None:
             toks, offs = _NO_TOKENS, _NO_OFFSETS
         wi, why, expected, cost = self._ctl_step(_step_kernel, slots, batch, toks, offs, waiting == 0 and B > 1,
-                                                 may_explore, may_remeasure, lengths)
+                                                 may_explore, may_remeasure, lengths, switch)
         return self._decided(wi, why, lengths, expected, cost)
 
     def _may(self) -> tuple[bool, bool]:
@@ -460,7 +469,7 @@ class AdaptiveController:
         """The trace row of the next decision (-1: none kept)."""
         return self._n_traced % self._trace_len if self._trace_len else -1
 
-    def _ctl_step(self, kernel, slots, batch, toks, offs, draining, may_explore, may_remeasure, lengths):
+    def _ctl_step(self, kernel, slots, batch, toks, offs, draining, may_explore, may_remeasure, lengths, switch):
         """The controller's part of a step (`_ctl_step`, through ``kernel``), growing the pending pools as
         needed. Returns (width index, reason index, expected tokens, estimated cost)."""
         costs = self.costs
@@ -470,7 +479,7 @@ class AdaptiveController:
                 batch.match_lens, self._pend, self.request_alpha, self.calibration, self.prior_mean,
                 self.prior_strength, self._widths, costs.state, costs.clock, costs.stale_after, self._row,
                 self._row_tmp, draining, self.min_gain, may_explore, may_remeasure, self.explore_optimism, self._sc,
-                lengths, self._trace, self._tpos(), self._step + 1)
+                lengths, self._trace, self._tpos(), self._step + 1, switch)
             if wi >= 0:
                 return wi, why, expected, cost
             self._pend = self._pend.grow_pool(need_d, need_n)  # nothing changed: grow the pools and go again
@@ -568,16 +577,18 @@ class AdaptiveController:
 
     # ----------------------------------------------------------------------------------- whole step
     def step(self, cache, rids: Sequence[Hashable], committed: Sequence | None = None, waiting: int | None = None,
-             tree: bool = True) -> tuple[DraftBatch, Plan]:
+             tree: bool = True, switch_cost: float = 0.0) -> tuple[DraftBatch, Plan]:
         """A server's whole host step for the batch ``rids``: the tokens each request committed since its last
         step (``committed[i]``, possibly empty; None: none) go to ``cache`` and to the controller, then the
-        cache proposes drafts of up to ``max_width - 1`` nodes and the controller plans the step. One kernel
-        call for the whole batch. Validates everything before changing anything. Returns (drafts, plan)."""
+        cache proposes drafts of up to ``max_width - 1`` nodes and the controller plans the step (``waiting``
+        and ``switch_cost`` as in `plan`). One kernel call for the whole batch. Validates everything before
+        changing anything. Returns (drafts, plan)."""
+        switch = 0.0 if switch_cost == 0.0 and type(switch_cost) in (float, int) else _check_switch(switch_cost)
         if type(rids) is list and rids and (waiting is None or type(waiting) is int and waiting >= 0) and (
                 committed is None or type(committed) is list and len(committed) == len(rids)):
             slots = self._fast_slots(cache, rids)
             if slots is not None:
-                return self._run_step(cache, rids, slots[0], slots[1], committed, waiting, tree)
+                return self._run_step(cache, rids, slots[0], slots[1], committed, waiting, tree, switch)
         # anything else (an empty batch, other containers, bad input): validated in full, step by step
         check_waiting(waiting)
         slots = self._slots(rids)
@@ -588,7 +599,7 @@ class AdaptiveController:
         if B == 0:
             return cache._propose_slots(cslots, max(1, self.max_width - 1), bool(tree)), \
                 _new_plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
-        return self._run_step(cache, rids, slots, cslots, committed, waiting, tree)
+        return self._run_step(cache, rids, slots, cslots, committed, waiting, tree, switch)
 
     def _step_state(self, cache) -> StepState:
         """The `StepState` of ``cache`` and this controller, rebuilt when a part was replaced since the last step
@@ -627,7 +638,8 @@ class AdaptiveController:
         except (KeyError, TypeError):
             return None
 
-    def _run_step(self, cache, rids, slots: np.ndarray, cslots: np.ndarray, committed, waiting, tree) -> tuple:
+    def _run_step(self, cache, rids, slots: np.ndarray, cslots: np.ndarray, committed, waiting, tree,
+                  switch=0.0) -> tuple:
         """``step`` for validated, distinct slots (int64 arrays) of a non-empty batch and ``committed`` of the
         right length (or None)."""
         B = slots.shape[0]
@@ -659,7 +671,7 @@ class AdaptiveController:
                 cslots, toks, offs, append, cache.max_depth, self._step_state(cache), bud, bool(tree),
                 cache.use_shared, int(cache._ring[_S_EPOCH]), o_tok, o_par, o_prob, o_src, offsets, mlens, slots,
                 self.request_alpha, self.prior_strength, costs.clock, costs.stale_after, draining, self.min_gain,
-                may_explore, may_remeasure, self.explore_optimism, lengths, self._tpos(), self._step + 1)
+                may_explore, may_remeasure, self.explore_optimism, lengths, self._tpos(), self._step + 1, switch)
             if code == 0:
                 break
             if code < 0:  # a negative token id: nothing changed; the full validation names the request
@@ -672,7 +684,7 @@ class AdaptiveController:
         if wi < 0:  # the cache's part is done; the controller's waits for room in its pending pools
             self._pend = self._pend.grow_pool(need_d, need_n)
             wi, why, expected, cost = self._ctl_step(self._step_direct, slots, batch, toks, offs, draining,
-                                                     may_explore, may_remeasure, lengths)
+                                                     may_explore, may_remeasure, lengths, switch)
         return batch, self._decided(wi, why, lengths, expected, cost)
 
     # ----------------------------------------------------------------------------------- persistence
@@ -750,6 +762,14 @@ class AdaptiveController:
             self.load_state_dict(data)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def _check_switch(switch_cost) -> float:
+    """``switch_cost`` as a float: ValueError unless a finite number >= 0."""
+    if isinstance(switch_cost, bool) or type(switch_cost) not in _INT_TYPES and not isinstance(
+            switch_cost, (float, np.floating)) or not (0.0 <= switch_cost < math.inf):
+        raise ValueError(f"switch_cost must be a finite number of ms >= 0, got {switch_cost!r}")
+    return float(switch_cost)
 
 
 def read_state_file(path) -> dict[str, np.ndarray]:

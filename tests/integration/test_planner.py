@@ -353,3 +353,44 @@ def test_the_plugin_uses_the_cores_fixed_width_controller():
     assert FixedWidthController is CoreFixedWidth
     ctl = make_controller(AdaptiveConfig(widths=(1, 4), fixed_width=4))
     assert type(ctl) is CoreFixedWidth and ctl.width == 4
+
+
+def test_tensor_parallel_ranks_charge_the_same_waits():
+    """Waits after drafting steps (`record_wait`) are shared like durations: ranks whose own clocks disagree
+    still charge the same switch cost and make identical decisions; bad waits are rejected like durations."""
+    mailbox = {}
+    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2, capacity=1 << 16,
+                         charge_waits_to_drafts=True)
+
+    def broadcast(rank):
+        def fn(obj):
+            if rank == 0:
+                mailbox["v"] = obj
+            return mailbox["v"]
+        return fn
+
+    ranks = [DraftPlanner(cfg, is_timing_rank=r == 0, broadcast=broadcast(r)) for r in range(2)]
+    waits = [0.05, 0.001]  # rank 0 sees long waits after drafting steps, rank 1 none
+    text = [3, 1, 4, 1, 5, 9, 2, 6] * 3
+    outs = {"x": [], "y": []}
+    plans = [[] for _ in ranks]
+    last = [1, 1]
+    for step in range(80):
+        for r, p in enumerate(ranks):
+            plan = p.plan([RequestView("x", text, outs["x"]), RequestView("y", [7, 7, 7, 8], outs["y"])],
+                          after_draft=last[r] > 1)
+            plans[r].append((plan.width, plan.drafted.tolist(), plan.tokens.tolist()))
+            if plan.width == 1 and last[r] > 1:
+                p.record_wait(2, 0.01 + waits[r])
+            else:
+                p.record_duration(plan.width, 2, 0.01 + 0.004 * plan.width)
+            last[r] = plan.width
+        outs["x"].append(text[len(outs["x"]) % len(text)] if step % 20 < 10 else 100 + step)  # copies, then not
+        outs["y"].append(step % 5)
+    assert plans[0] == plans[1]
+    assert ranks[0]._wait_any is not None and ranks[0]._wait_any == ranks[1]._wait_any
+    for bad in ((0, 0.01), (2, 0.0), (2, float("nan")), (True, 0.01)):
+        n = len(ranks[0]._local_durations)
+        with pytest.raises(ValueError):
+            ranks[0].record_wait(*bad)
+        assert len(ranks[0]._local_durations) == n

@@ -1,6 +1,11 @@
 """The plugin's step cost measure (`ngramspec_sglang.timing.StepTimer`), with fake device marks: no GPU needed."""
+import json
+from itertools import accumulate
+from types import SimpleNamespace
+
 import pytest
 
+from ngramspec_sglang.config import resolve_config
 from ngramspec_sglang.timing import StepTimer
 
 
@@ -103,3 +108,34 @@ def test_the_first_period_of_each_shape_is_dropped():
     # the very first step has no predecessor; then the first period of each (width, batch) goes
     assert records == [(16, 4, 0.011), (1, 4, 0.005), (16, 4, 0.011), (8, 4, 0.009)]
     assert timer.dropped == 3 and timer.recorded == 4
+
+
+def test_waits_after_drafting_steps_go_to_record_wait_when_given():
+    """Plain steps after plain steps take 2 (overlapped); a drafting step 3.5; a plain step right after a drafting
+    step waits for its tokens and takes 5. With ``record_wait`` those 5s go there, not to width 1."""
+    steps = [(1, 2.0), (1, 2.0), (8, 3.5), (1, 5.0), (1, 2.0), (8, 3.5), (16, 3.6), (1, 5.0), (1, 2.0)]
+    out = {}
+    for split in (False, True):
+        records, waits, clock = [], [], iter([0.0, *accumulate(p for _, p in steps)])
+        timer = StepTimer(lambda w, b, s: records.append((w, b, round(s, 6))), lambda: next(clock), lambda m: True,
+                          lambda a, b: b - a, drop_first_of_each_shape=False,
+                          record_wait=(lambda b, s: waits.append((b, round(s, 6)))) if split else None)
+        timer.step_launched(1, 4)  # the step before the first period
+        for width, _ in steps:
+            timer.step_launched(width, 4)
+        out[split] = records, waits
+    assert out[False] == ([(w, 4, p) for w, p in steps], [])
+    assert out[True] == ([(1, 4, 2.0), (1, 4, 2.0), (8, 4, 3.5), (1, 4, 2.0), (8, 4, 3.5), (16, 4, 3.6),
+                          (1, 4, 2.0)], [(4, 5.0), (4, 5.0)])
+
+
+def test_the_server_knob_is_read_and_validated(tmp_path):
+    def config_from(data):
+        path = tmp_path / "adaptive.json"
+        path.write_text(json.dumps({"widths": [1, 2], **data}))
+        return resolve_config(SimpleNamespace(speculative_adaptive_config=str(path)))
+
+    assert config_from({}).charge_waits_to_drafts is False  # the timer keeps waits in width 1's cost
+    assert config_from({"charge_waits_to_drafts": True}).charge_waits_to_drafts is True
+    with pytest.raises(ValueError, match="charge_waits_to_drafts"):
+        config_from({"charge_waits_to_drafts": "yes"})
