@@ -233,6 +233,26 @@ def test_step_follows_every_replaced_part_of_its_state():
     assert len({e[0] for e in logs[0][0]}) > 1
 
 
+def _small_run(requests, seed, at_step, change):
+    """``requests`` requests stepped 40 times over a repeating text; ``change(ctl)`` before step ``at_step``.
+    Returns (the log of plans and drafts, the controller)."""
+    period = np.random.default_rng(seed).integers(0, 500, 30).tolist()
+    cache, ctl = NgramCache(max_depth=16), AdaptiveController()
+    rids = list(range(requests))
+    for rid in rids:
+        cache.start_request(rid, period * 2 + [rid])
+        ctl.start(rid)
+    log = []
+    for step in range(40):
+        if step == at_step:
+            change(ctl)
+        commits = [period[(step + r) % 28:(step + r) % 28 + 2] for r in rids]
+        b, p = ctl.step(cache, rids, commits, waiting=1)
+        ctl.observe_step(requests, p.width, PROFILE.cost_ms(requests, p.width))
+        log.append((p.width, p.lengths.tolist(), p.expected, p.reason, b.tokens.tolist()))
+    return (log, ctl.decisions()), ctl
+
+
 def test_a_loaded_state_of_another_memory_layout_takes_the_same_decisions():
     """A state whose arrays come in Fortran order (e.g. written by other tools): loaded, it must not change what
     the step's compiled entry point reads (it takes C-ordered arrays)."""
@@ -240,49 +260,22 @@ def test_a_loaded_state_of_another_memory_layout_takes_the_same_decisions():
     state = donor.state_dict()
     fortran = {k: np.asfortranarray(v) if isinstance(v, np.ndarray) and v.ndim == 2 else v for k, v in state.items()}
     assert any(v.ndim == 2 and not v.flags.c_contiguous for v in fortran.values())
-    logs = []
-    for data in (state, fortran):
-        rng = np.random.default_rng(9)
-        period = rng.integers(0, 500, 30).tolist()
-        cache, ctl = NgramCache(max_depth=16), AdaptiveController()
-        for rid in range(4):
-            cache.start_request(rid, period * 2 + [rid])
-            ctl.start(rid)
-        log = []
-        for step in range(40):
-            if step == 5:
-                ctl.load_state_dict(data)
-            commits = [period[(step + r) % 28:(step + r) % 28 + 2] for r in range(4)]
-            b, p = ctl.step(cache, [0, 1, 2, 3], commits, waiting=1)
-            ctl.observe_step(4, p.width, PROFILE.cost_ms(4, p.width))
-            log.append((p.width, p.lengths.tolist(), p.expected, p.reason, b.tokens.tolist()))
-        logs.append((log, ctl.decisions()))
-    assert logs[0] == logs[1]
+    runs = [_small_run(4, 9, 5, lambda ctl, data=data: ctl.load_state_dict(data))[0] for data in (state, fortran)]
+    assert runs[0] == runs[1]
+
+
+def _fortran_scratch(ctl):
+    ctl._sc = type(ctl._sc)(*(np.asfortranarray(a) for a in ctl._sc))
 
 
 def test_state_arrays_of_another_layout_go_through_the_dispatcher():
     """The step calls the compiled entry point of the state types of its first call; state arrays of another
     numba type (here: the per-step scratch in Fortran order) must go through numba's dispatcher instead, which
     compiles for them, with the same decisions."""
-    logs = []
-    for fortran in (False, True):
-        rng = np.random.default_rng(11)
-        period = rng.integers(0, 500, 30).tolist()
-        cache, ctl = NgramCache(max_depth=16), AdaptiveController()
-        for rid in range(3):
-            cache.start_request(rid, period * 2 + [rid])
-            ctl.start(rid)
-        log = []
-        for step in range(40):
-            if step == 3 and fortran:
-                ctl._sc = type(ctl._sc)(*(np.asfortranarray(a) for a in ctl._sc))
-            commits = [period[(step + r) % 28:(step + r) % 28 + 2] for r in range(3)]
-            b, p = ctl.step(cache, [0, 1, 2], commits, waiting=1)
-            ctl.observe_step(3, p.width, PROFILE.cost_ms(3, p.width))
-            log.append((p.width, p.lengths.tolist(), p.expected, p.reason, b.tokens.tolist()))
-        logs.append((log, ctl.decisions()))
-        assert (ctl._host_direct is _host_step) == fortran  # the dispatcher took over, and only then
-    assert logs[0] == logs[1]
+    plain, plain_ctl = _small_run(3, 11, 3, lambda ctl: None)
+    fortran, fortran_ctl = _small_run(3, 11, 3, _fortran_scratch)
+    assert plain_ctl._host_direct is not _host_step and fortran_ctl._host_direct is _host_step
+    assert plain == fortran
 
 
 def test_a_switch_cost_makes_drafting_dearer_for_that_step_only():

@@ -604,10 +604,9 @@ class AdaptiveController:
     def _step_state(self, cache) -> StepState:
         """The `StepState` of ``cache`` and this controller, rebuilt when a part was replaced since the last step
         (the pending pools, the cost tables or the scratch grown, the state loaded, another cache)."""
-        st = self._st
-        if st is None or self._st_parts[0] is not cache._own_state or self._st_parts[1] is not self._pend or \
-                self._st_parts[2] is not self.costs.state or self._st_parts[3] is not self._sc or \
-                self._st_parts[4] is not self.calibration:
+        st, p = self._st, self._st_parts
+        if st is None or p[0] is not cache._own_state or p[1] is not self._pend or p[2] is not self.costs.state \
+                or p[3] is not self._sc or p[4] is not self.calibration:
             st = self._st = _new_step_state(cache._own_state, cache._hists, cache._shared_state, self._pend,
                                             self.calibration, self.prior_mean, self._widths, self.costs.state,
                                             self._row, self._row_tmp, self._sc, self._trace)

@@ -26,6 +26,12 @@ def parents(mask: np.ndarray, k: int) -> list[int]:
     return out
 
 
+def verified(plan, upcoming) -> int:
+    """Tokens a greedy verify of a one-request `plan` commits when the model's next tokens are `upcoming`."""
+    k = int(plan.drafted[0])
+    return 1 + len(accepted_path(plan.tokens[0, 1:1 + k], parents(plan.mask[0], k), upcoming))
+
+
 def replay(requests, plain_ms, verify_ms, lagged=True):
     """Serve `requests` (prompt, output) one at a time as the worker does; returns (tokens/s relative to plain,
     share of steps that waited, share of steps that verified, the planner)."""
@@ -43,9 +49,7 @@ def replay(requests, plain_ms, verify_ms, lagged=True):
             waits += not behind
             output = output + list(pending)
             if plan.width > 1:
-                k = int(plan.drafted[0])
-                n = 1 + len(accepted_path(plan.tokens[0, 1:1 + k], parents(plan.mask[0], k), truth[len(output):]))
-                ms = verify_ms(plan.width)
+                n, ms = verified(plan, truth[len(output):]), verify_ms(plan.width)
                 verifies += 1
             else:
                 n, ms = 1, plain_ms
@@ -112,9 +116,7 @@ def serve_timed(requests, plain_ms, wait_ms, verify_ms, charge):
         while len(output) < len(truth):
             plan = planner.plan([RequestView(rid, prompt, output)], after_draft=drafted_last)
             if plan.width > 1:
-                k = int(plan.drafted[0])
-                n = 1 + len(accepted_path(plan.tokens[0, 1:1 + k], parents(plan.mask[0], k), truth[len(output):]))
-                ms = verify_ms(plan.width)
+                n, ms = verified(plan, truth[len(output):]), verify_ms(plan.width)
                 drafts += 1
             else:
                 n, ms = 1, plain_ms + (wait_ms if drafted_last else 0.0)
