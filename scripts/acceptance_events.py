@@ -40,13 +40,14 @@ def record(trace, profile, batch, spec="ngramspec-adaptive"):
     ndraft = [0]
     drafts = []
     ev = {f: [] for f in FIELDS}
-    plan_orig, update = ctl._plan, method.update
+    step_orig, update = ctl.step, method.update
 
-    def spy_plan(slots, b, waiting, toks=None, offs=None, from_cache=False):
-        out = plan_orig(slots, b, waiting, toks, offs, from_cache)
+    def spy_step(cache, rids, *args, **kwargs):
+        out = step_orig(cache, rids, *args, **kwargs)
+        b = out[0]
         P, cells = ctl._sc.P, ctl._sc.cells
         inv = {s: r for r, s in ctl._slot_of.items()}
-        for i, s in enumerate(slots.tolist()):
+        for i, s in enumerate(ctl._slot_of[r] for r in rids):
             a, e = int(b.offsets[i]), int(b.offsets[i + 1])
             if a == e:
                 continue
@@ -80,7 +81,7 @@ def record(trace, profile, batch, spec="ngramspec-adaptive"):
         pos[rid] += len(committed)
         return update(rid, committed, n_accepted)
 
-    ctl._plan, method.update = spy_plan, spy_update
+    ctl.step, method.update = spy_step, spy_update
     base = replay(trace, make_method("none"), batch)
     speed = summarize(replay(trace, method, batch, profile), profile, base)["speedup"]
     out = {f: np.array(v) for f, v in ev.items()}

@@ -27,10 +27,11 @@ def instrumented(trace):
     outputs = [r.output for r in trace.requests]
     pos = defaultdict(int)
     rows = []  # (expected tokens at the widest width, realized, P(first level) predicted, first level hit, fan-out)
-    plan, update = ctl.plan, method.update
+    step, update = ctl.step, method.update
 
-    def spy_plan(rids, batch, waiting=None):
-        P, _ = ctl.node_values(rids, batch)
+    def spy_step(cache, rids, *args, **kwargs):
+        result = step(cache, rids, *args, **kwargs)
+        batch, P = result[0], ctl._sc.P  # the drafts and their calibrated P(accepted) as the step planned them
         for i, rid in enumerate(rids):
             a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
             if a == b:
@@ -39,13 +40,13 @@ def instrumented(trace):
             first = batch.parents[a:b] < 0
             n = accepted_length(batch.tokens[a:b], batch.parents[a:b], out, p)
             rows.append((1 + P[a:b].sum(), n + 1, P[a:b][first].sum(), n > 0, first.sum()))
-        return plan(rids, batch, waiting=waiting)
+        return result
 
     def spy_update(rid, committed, n_accepted):
         pos[rid] += len(committed)
         return update(rid, committed, n_accepted)
 
-    ctl.plan, method.update = spy_plan, spy_update
+    ctl.step, method.update = spy_step, spy_update
     return method, rows
 
 
