@@ -13,8 +13,9 @@ first position where it differs.
         [--configs plain,ngram,adaptive,adaptive_w1] [--concurrency 1 16] [--max-new-tokens 256] \
         [--dtype float32] [--tp 1] [--extra '{"attention_backend": "triton"}'] [--warmup 1]
 
-At concurrency > 1 each timed set is preceded by --warmup untimed passes of a third prompt set (WARM_PROMPTS) at
-that concurrency: a run of a second or two otherwise pays the first-time costs of its new batch shapes inside its
+Before any timed set, each prompt of a third set (WARM_PROMPTS) is generated once, one at a time, untimed; at
+concurrency > 1 each timed set is also preceded by --warmup untimed passes of that set at that concurrency: a run
+of a second or two otherwise pays the first-time (JIT) costs of its new prefill and batch shapes inside its
 figure. Every configuration gets the same warm-up; no timed prompt is ever generated twice by one engine.
 
 Prompts: two built-in sets, chat-formatted with the model's template: `copy` (code edits, reformatting,
@@ -208,7 +209,8 @@ def run_one(name: str, a) -> dict:
     warm = chat_prompts(a.model, WARM_PROMPTS)[: a.prompts_per_set]
     out = {"config": name, "startup_s": round(startup, 1), "runs": {}}
     try:
-        engine.generate(sets["copy"][:2] + sets["free"][:2], {"temperature": 0, "max_new_tokens": 32})  # warm-up
+        for prompt in warm:  # untimed, one at a time: prefill shapes meet their first-time (JIT) costs here
+            engine.generate(prompt, {"temperature": 0, "max_new_tokens": 32})
         for conc in a.concurrency:
             for set_name, prompts in sets.items():
                 if conc > 1:  # untimed, other prompts: batch shapes meet their first-time costs here, not in the figure

@@ -150,3 +150,42 @@ def test_adaptive_policy_takes_a_calibration_prior():
     for bad in ("adaptive:explore_every=5", "adaptive:max_width=x"):
         with pytest.raises(ValueError):
             make_policy(bad)
+
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_adaptive_one_call_step_decides_as_the_verbs_do(tiny_model, prompts, batch):
+    """The decoder gives an AdaptiveController each row's tokens with the next step's `step` call (and a
+    finished row's last tokens through the verbs); with the verbs alone (propose, plan, add_tokens,
+    observe_tokens) every plan, output and learned state is the same. Step costs are fixed by width, so both
+    runs see the same durations. Groups get different token budgets, so rows finish at different steps."""
+    from ngramspec.engine.policy import AdaptivePolicy
+
+    class Timed(AdaptivePolicy):
+        def observe_step(self, batch, width, duration_ms):
+            super().observe_step(batch, width, 4.0 + 0.25 * width)
+
+    class VerbsOnly(Timed):
+        step = None
+
+    new_tokens = 48
+    reference = plain(tiny_model, prompts, new_tokens)
+    runs = []
+    for policy in (Timed(max_width=8), VerbsOnly(max_width=8)):
+        dec = SpecDecoder(KVModel(tiny_model, batch=batch, max_len=max(map(len, prompts)) + new_tokens + 9))
+        cache, outputs, plans = NgramCache(), [], []
+        for start in range(0, len(prompts), batch):
+            res = dec.generate(prompts[start:start + batch], new_tokens - 8 * start, policy=policy, cache=cache,
+                               rids=list(range(start, start + batch)))
+            assert res.outputs == [reference[i][:new_tokens - 8 * start] for i in range(start, start + batch)]
+            outputs += res.outputs
+            plans += [(r.width, r.kept, r.accepted) for r in res.records]
+        cache.start_request("probe", prompts[0] + outputs[0][:5])   # what the shared part learned
+        probe = cache.propose(["probe"], 7).draft(0)
+        runs.append((outputs, plans, policy.state_dict(), probe.tokens.tolist(), probe.parents.tolist()))
+    (out_a, plans_a, state_a, *probe_a), (out_b, plans_b, state_b, *probe_b) = runs
+    assert out_a == out_b and plans_a == plans_b and probe_a == probe_b
+    assert any(w > 1 for w, _, _ in plans_a)          # it drafted, so the two paths were compared on drafts
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        np.testing.assert_array_equal(state_a[key], state_b[key], err_msg=key)

@@ -207,7 +207,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         JIT-compile inside the first request that needs each one (a stall of seconds per kernel and shape class):
         the greedy-verify module, and the Triton kernels specialised on the verify width (tree indices from the
         mask) or on the batch size's or the verify window's power of two (cache locations, accepted-token
-        moves). Dummy inputs only address the KV pool's padding slot 0."""
+        moves, KV moves of the accepted tokens). Dummy inputs only address the KV pool's padding slot 0."""
         if _is_cpu:
             return
         from sglang.kernels.ops.speculative.eagle import fill_accept_out_cache_loc_func
@@ -234,7 +234,9 @@ class NgramAdaptiveWorker(NGRAMWorker):
             for size in sizes:  # accepted-token moves are specialised on the window's power of two
                 fill_accept_out_cache_loc_func(torch.full((size,), -1, dtype=torch.int32, device=dev),
                                                torch.zeros(size, **long), torch.zeros(size, **long), size)
-            kv.move_kv_cache(torch.zeros(1, **long), torch.zeros(1, **long))
+            cap = int((getattr(kv, "_kv_copy_config", None) or {}).get("num_locs_upper", 256))
+            for size in (s for s in sizes if s <= cap):  # KV moves of accepted tokens: specialised likewise
+                kv.move_kv_cache(torch.zeros(size, **long), torch.zeros(size, **long))
             bs = 2
             seq = torch.ones(bs, **long)
             widths = [x for x in self.config.widths if x > 1] or [min(2, w_max)]

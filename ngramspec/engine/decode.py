@@ -161,6 +161,10 @@ class SpecDecoder:
         steps = [0] * B
         active = np.ones(B, bool)
         records: list[StepRecord] = []
+        # a controller with the one-call `step` (AdaptiveController) takes each row's tokens of the last step
+        # with the next step's drafts and plan; a row's last tokens go to the cache when it finishes
+        one_call = policy is not None and callable(getattr(policy, "step", None))
+        fresh: list[list[int]] = [[] for _ in range(B)]
         if cache is not None:
             for rid, p in zip(rids, prompts):
                 cache.start_request(rid, p)
@@ -175,14 +179,19 @@ class SpecDecoder:
             width = 1
             if policy is not None:
                 act_rids = [rids[i] for i in act]
-                batch = cache.propose(act_rids, max(1, policy.max_width - 1), tree=getattr(policy, "tree", True))
-                plan = policy.plan(act_rids, batch, waiting=0)  # a fixed set of prompts: none queue
+                tree = getattr(policy, "tree", True)
+                if one_call:  # a fixed set of prompts: none queue
+                    batch, plan = policy.step(cache, act_rids, [fresh[i] for i in act], waiting=0, tree=tree)
+                else:
+                    batch = cache.propose(act_rids, max(1, policy.max_width - 1), tree=tree)
+                    plan = policy.plan(act_rids, batch, waiting=0)
                 width, kept = int(plan.width), np.asarray(plan.lengths, np.int64)
                 if width < 1 or len(kept) != len(act) or (kept > width - 1).any() or (kept < 0).any():
                     raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {len(act)} requests")
                 for j, i in enumerate(act):
-                    d = batch.draft(j)
-                    drafts[i] = (np.asarray(d.tokens[:kept[j]]), np.asarray(d.parents[:kept[j]]))
+                    if kept[j]:
+                        d = batch.draft(j)
+                        drafts[i] = (np.asarray(d.tokens[:kept[j]]), np.asarray(d.parents[:kept[j]]))
             rows = [tree_rows(drafts[i][0], drafts[i][1], root[i], width) for i in range(B)]
             tok = np.stack([r[0] for r in rows])
             depth = np.stack([r[2] for r in rows])
@@ -210,10 +219,13 @@ class SpecDecoder:
                 steps[i] += 1
                 length[i] += 1 + len(path)
                 root[i] = new[-1]
-                if cache is not None:
+                done = len(outputs[i]) >= max_new_tokens or (eos_token_id is not None and new[-1] == eos_token_id)
+                if one_call and not done:
+                    fresh[i] = new
+                elif cache is not None:
                     cache.add_tokens(rids[i], new)
                     policy.observe_tokens(rids[i], new)
-                if len(outputs[i]) >= max_new_tokens or (eos_token_id is not None and new[-1] == eos_token_id):
+                if done:
                     active[i] = False
                     # a finished row still rides along in the batch: park it at slot 0 so that its dummy
                     # verify block never runs past the cache, whatever its last step overshot
