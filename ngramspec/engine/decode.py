@@ -68,6 +68,20 @@ class GenerationResult:
         return [r.width for r in self.records]
 
 
+_warmed = False
+
+
+def _warm_up_once() -> None:
+    """Compile (or load) every kernel of the cache and controller once per process, before the first
+    speculative request, so that no step of it stalls on a first-time compile (`ngramspec.cache.warm_up`)."""
+    global _warmed
+    if not _warmed:
+        from ngramspec.cache import warm_up
+
+        warm_up()
+        _warmed = True
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -143,6 +157,8 @@ class SpecDecoder:
             raise ValueError(f"prompt {longest} + {max_new_tokens} new + width {max_width} exceeds the KV cache "
                              f"({self.kv.max_len} slots)")
 
+        if cache is not None:
+            _warm_up_once()
         runner = self.verifier.runner
         if runner is not None:
             if B != self.kv.batch:
