@@ -234,9 +234,12 @@ class NgramAdaptiveWorker(NGRAMWorker):
             for size in sizes:  # accepted-token moves are specialised on the window's power of two
                 fill_accept_out_cache_loc_func(torch.full((size,), -1, dtype=torch.int32, device=dev),
                                                torch.zeros(size, **long), torch.zeros(size, **long), size)
+            # KV moves of accepted tokens: specialised on the count's power of two and, as every integer
+            # argument of a Triton kernel, on whether the count is a multiple of 16
             cap = int((getattr(kv, "_kv_copy_config", None) or {}).get("num_locs_upper", 256))
-            for size in (s for s in sizes if s <= cap):  # KV moves of accepted tokens: specialised likewise
-                kv.move_kv_cache(torch.zeros(size, **long), torch.zeros(size, **long))
+            for size in (s for s in sizes if s <= cap):
+                for count in (size, size - 1) if size >= 16 else (size,):
+                    kv.move_kv_cache(torch.zeros(count, **long), torch.zeros(count, **long))
             bs = 2
             seq = torch.ones(bs, **long)
             widths = [x for x in self.config.widths if x > 1] or [min(2, w_max)]
