@@ -10,6 +10,8 @@ rounds of (host time / request-steps). Methods, each doing exactly the host work
 - **cache**: `NgramCache.add_tokens_batch` (the step's committed tokens) + `propose` (tree, 15 nodes).
 - **cache + controller**: `AdaptiveController.step` (commit tokens to cache and controller, propose, plan) +
   `observe_step` (the step's duration, from the h200-llama8b cost profile standing in for the GPU timer).
+- **cache + controller, verb by verb**: the same through `add_tokens_batch`, `observe_batch`, `propose` and
+  `plan` (what a caller pays that does not use `step`).
 - **planner**: the SGLang plugin's `DraftPlanner.plan` (views -> committed-token sync, propose, controller,
   verify layout arrays) + `record_duration`; the views themselves are built untimed (the worker's part).
 - **SGLang NgramCorpus** (sglang 0.5.23, its defaults, draft_token_num 16): `synchronize` + `batch_get` with
@@ -175,6 +177,23 @@ class CacheController:
         self.ctl.finish(rid)
 
 
+class CacheControllerVerbs(CacheController):
+    """The same work through the verbs (`add_tokens_batch`, `observe_batch`, `propose`, `plan`): what a caller
+    pays that does not use the one-call `step`."""
+
+    name = "ngramspec cache + controller, verb by verb"
+
+    def step(self, rids, commits, waiting):
+        new = [(r, c) for r, c in zip(rids, commits) if len(c)]
+        if new:
+            self.cache.add_tokens_batch([r for r, _ in new], [c for _, c in new])
+            self.ctl.observe_batch([r for r, _ in new], [c for _, c in new])
+        b = self.cache.propose(rids, WIDTH - 1, tree=True)
+        plan = self.ctl.plan(rids, b, waiting=waiting)
+        self.ctl.observe_step(len(rids), plan.width, _step_ms(len(rids), plan.width))
+        return b, plan
+
+
 class Planner:
     name = "NGRAM_ADAPTIVE planner"
 
@@ -287,7 +306,7 @@ class ArcticSuffix:
         self.cache.stop_request(rid)
 
 
-METHODS = (CacheAlone, CacheController, Planner, SglangCorpus, ArcticSuffix)
+METHODS = (CacheAlone, CacheController, CacheControllerVerbs, Planner, SglangCorpus, ArcticSuffix)
 CLOCK = (0.0, 0.0)
 
 
