@@ -490,6 +490,36 @@ def test_one_stall_does_not_ban_a_width():
     assert ctl.costs.estimate(1, 6) < 2 * 15.0
 
 
+def test_a_stall_as_the_first_sample_of_a_batch_size_is_capped():
+    """A plain step at a batch size not seen before that stalls (a compile, a collection: 25x a plain step)
+    starts that (B, 1) at no more than twice what its neighbours imply, not at the stall: while the controller
+    then drafts at that batch size, plain decoding is not sampled there again to correct it. A first sample
+    below what is implied is taken as it is (a stall never makes a step shorter), and a cost that really is
+    higher is reached by the samples that follow."""
+    cm = CostModel(default_prior)
+    for b in (4, 8):
+        for _ in range(5):
+            cm.observe(b, 1, 2.0)
+    implied = cm.estimate(6, 1)
+    cm.observe(6, 1, 50.0)
+    assert implied < cm.estimate(6, 1) <= 2 * implied + 1e-9
+    unclipped = CostModel(default_prior, clip=None)
+    for b in (4, 8):
+        for _ in range(5):
+            unclipped.observe(b, 1, 2.0)
+    unclipped.observe(6, 1, 50.0)
+    assert unclipped.estimate(6, 1) == 50.0  # (the cap is the clip's)
+    cm.observe(12, 1, 0.5)
+    assert cm.estimate(12, 1) == 0.5
+    truth = 6 * cm.estimate(16, 1)
+    for _ in range(30):
+        cm.observe(16, 1, truth)
+    assert cm.estimate(16, 1) == pytest.approx(truth, rel=0.05)
+    first = CostModel(default_prior)
+    first.observe(3, 4, 40.0)  # nothing measured before: the very first sample is all there is to go by
+    assert first.estimate(3, 4) == 40.0
+
+
 def test_a_width_first_measured_in_a_stall_is_re_measured():
     """Worst case: the first sample of width 6 is a 1000 ms stall, so its estimate starts 66x too high. It is
     re-measured once stale (500 steps), within the bounded exploration share, and then chosen again."""

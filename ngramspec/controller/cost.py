@@ -158,10 +158,38 @@ def _bucket_id(b):
 
 
 @njit(cache=True)
+def _first_ref(s, B, wi):
+    """What the samples so far imply for c(B, width wi), not yet measured: the nearest measured batch size of
+    the same width rescaled by the prior's shape, else the prior times the batch bucket's (else the global)
+    ratio of measured to prior; NaN when nothing is measured."""
+    ewma, blist, nblist, prior = s.ewma, s.blist, s.nblist, s.prior
+    best_b = -1
+    best_d = np.inf
+    for k in range(nblist[wi]):
+        b = blist[wi, k]
+        d = abs(math.log(b / B))
+        if d < best_d or (d == best_d and b < best_b):
+            best_d = d
+            best_b = b
+    if best_b > 0:
+        return ewma[best_b, wi] * prior[B, wi] / prior[best_b, wi]
+    bi = _bucket_id(B)
+    if s.has_ratio[bi]:
+        return prior[B, wi] * s.ratio[bi]
+    if s.has_global[0]:
+        return prior[B, wi] * s.global_ratio[0]
+    return np.nan
+
+
+@njit(cache=True)
 def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
-    """One measured step. Updates are clipped to [old / clip, old * clip] (clip <= 0: not clipped); a key not
-    measured for ``stale_after`` steps (<= 0: never stale) restarts from the new sample. Returns False, and
-    changes nothing, when a first sample of this (B, width) finds no room in ``blist`` (the caller grows it)."""
+    """One measured step. Updates are clipped to [old / clip, old * clip] (clip <= 0: not clipped). The first
+    sample of a (B, width), and of a batch bucket's ratio to the prior, is capped at ``clip`` times what the
+    samples so far imply for it (`_first_ref`; nothing measured yet: not capped): a stall makes a step longer,
+    never shorter, and an overestimate is never corrected if it keeps the width from being chosen again, while
+    an underestimate is measured away as soon as the width is chosen. A key not measured for ``stale_after``
+    steps (<= 0: never stale) restarts from the new sample. Returns False, and changes nothing, when a first
+    sample of this (B, width) finds no room in ``blist`` (the caller grows it)."""
     ewma, last, blist, nblist, prior = s.ewma, s.last, s.blist, s.nblist, s.prior
     ratio, has_ratio = s.ratio, s.has_ratio
     g, has_g = s.global_ratio, s.has_global
@@ -169,7 +197,11 @@ def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
     if np.isnan(old) and nblist[wi] >= blist.shape[1]:
         return False
     if np.isnan(old):
-        ewma[B, wi] = ms
+        x = ms
+        ref = _first_ref(s, B, wi) if clip > 0 else np.nan
+        if not np.isnan(ref):
+            x = min(x, ref * clip)
+        ewma[B, wi] = x
         k = nblist[wi]
         blist[wi, k] = B
         nblist[wi] = k + 1
@@ -184,6 +216,8 @@ def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
     r = ms / prior[B, wi]
     bi = _bucket_id(B)
     if not has_ratio[bi]:
+        if clip > 0 and has_g[0]:
+            r = min(r, g[0] * clip)
         ratio[bi] = r
         has_ratio[bi] = True
     else:
