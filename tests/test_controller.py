@@ -518,6 +518,16 @@ def test_a_stall_as_the_first_sample_of_a_batch_size_is_capped():
     first = CostModel(default_prior)
     first.observe(3, 4, 40.0)  # nothing measured before: the very first sample is all there is to go by
     assert first.estimate(3, 4) == 40.0
+    stale = CostModel(default_prior, stale_after=5)  # a re-measurement that stalls is capped alike
+    stale.observe(1, 2, 12.0)
+    for _ in range(6):
+        stale.observe(1, 1, 10.0)
+    stale.observe(1, 2, 500.0)
+    assert stale.estimate(1, 2) == 24.0
+    for _ in range(6):
+        stale.observe(1, 1, 10.0)
+    stale.observe(1, 2, 3.0)  # a restart below the old value is taken as it is
+    assert stale.estimate(1, 2) == 3.0
 
 
 def test_a_width_first_measured_in_a_stall_is_re_measured():

@@ -188,8 +188,9 @@ def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
     samples so far imply for it (`_first_ref`; nothing measured yet: not capped): a stall makes a step longer,
     never shorter, and an overestimate is never corrected if it keeps the width from being chosen again, while
     an underestimate is measured away as soon as the width is chosen. A key not measured for ``stale_after``
-    steps (<= 0: never stale) restarts from the new sample. Returns False, and changes nothing, when a first
-    sample of this (B, width) finds no room in ``blist`` (the caller grows it)."""
+    steps (<= 0: never stale) restarts from the new sample, likewise capped at ``clip`` times its old value.
+    Returns False, and changes nothing, when a first sample of this (B, width) finds no room in ``blist`` (the
+    caller grows it)."""
     ewma, last, blist, nblist, prior = s.ewma, s.last, s.blist, s.nblist, s.prior
     ratio, has_ratio = s.ratio, s.has_ratio
     g, has_g = s.global_ratio, s.has_global
@@ -206,7 +207,7 @@ def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
         blist[wi, k] = B
         nblist[wi] = k + 1
     elif stale_after > 0 and clock - last[B, wi] > stale_after:
-        ewma[B, wi] = ms
+        ewma[B, wi] = min(ms, old * clip) if clip > 0 else ms
     else:
         x = ms
         if clip > 0:
