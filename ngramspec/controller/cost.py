@@ -158,11 +158,9 @@ def _bucket_id(b):
 
 
 @njit(cache=True)
-def _first_ref(s, B, wi):
-    """What the samples so far imply for c(B, width wi), not yet measured: the nearest measured batch size of
-    the same width rescaled by the prior's shape, else the prior times the batch bucket's (else the global)
-    ratio of measured to prior; NaN when nothing is measured."""
-    ewma, blist, nblist, prior = s.ewma, s.blist, s.nblist, s.prior
+def _nearest_measured(s, B, wi):
+    """The measured batch size of width index ``wi`` nearest to B in ratio (the smaller on a tie); -1: none."""
+    blist, nblist = s.blist, s.nblist
     best_b = -1
     best_d = np.inf
     for k in range(nblist[wi]):
@@ -171,14 +169,29 @@ def _first_ref(s, B, wi):
         if d < best_d or (d == best_d and b < best_b):
             best_d = d
             best_b = b
-    if best_b > 0:
-        return ewma[best_b, wi] * prior[B, wi] / prior[best_b, wi]
+    return best_b
+
+
+@njit(cache=True)
+def _prior_scale(s, B):
+    """Measured over prior: the batch bucket's ratio, else the global one; NaN when nothing is measured."""
     bi = _bucket_id(B)
-    if s.has_ratio[bi]:
-        return prior[B, wi] * s.ratio[bi]
+    if bi < s.has_ratio.shape[0] and s.has_ratio[bi]:
+        return s.ratio[bi]
     if s.has_global[0]:
-        return prior[B, wi] * s.global_ratio[0]
+        return s.global_ratio[0]
     return np.nan
+
+
+@njit(cache=True)
+def _first_ref(s, B, wi):
+    """What the samples so far imply for c(B, width wi), not yet measured: the nearest measured batch size of
+    the same width rescaled by the prior's shape, else the prior times `_prior_scale`; NaN when nothing is
+    measured."""
+    best_b = _nearest_measured(s, B, wi)
+    if best_b > 0:
+        return s.ewma[best_b, wi] * s.prior[B, wi] / s.prior[best_b, wi]
+    return s.prior[B, wi] * _prior_scale(s, B)
 
 
 @njit(cache=True)
@@ -240,7 +253,7 @@ def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
 @njit(cache=True)
 def _cost_row(s, B, widths, exclude, out):
     """c(B, w) for every width into ``out``; width index ``exclude`` (-1: none) is treated as never measured."""
-    ewma, blist, nblist, ratio, has_ratio, prior = s.ewma, s.blist, s.nblist, s.ratio, s.has_ratio, s.prior
+    ewma, prior = s.ewma, s.prior
     W = widths.shape[0]
     nb = ewma.shape[0]
     direct = np.empty(W, np.float64)
@@ -251,14 +264,7 @@ def _cost_row(s, B, widths, exclude, out):
         if B < nb and not np.isnan(ewma[B, wi]):
             direct[wi] = ewma[B, wi]
             continue
-        best_b = -1
-        best_d = np.inf
-        for k in range(nblist[wi]):
-            b = blist[wi, k]
-            d = abs(math.log(b / B))
-            if d < best_d or (d == best_d and b < best_b):
-                best_d = d
-                best_b = b
+        best_b = _nearest_measured(s, B, wi)
         if best_b > 0:
             direct[wi] = ewma[best_b, wi] * prior[B, wi] / prior[best_b, wi]
     for wi in range(W):
@@ -305,14 +311,8 @@ def _cost_row(s, B, widths, exclude, out):
             if side >= 0:
                 out[wi] = prior[B, wi] * direct[side] / prior[B, side]
                 continue
-        bi = _bucket_id(B)
-        if bi < has_ratio.shape[0] and has_ratio[bi]:
-            scale = ratio[bi]
-        elif s.has_global[0]:
-            scale = s.global_ratio[0]
-        else:
-            scale = 1.0
-        out[wi] = prior[B, wi] * scale
+        scale = _prior_scale(s, B)
+        out[wi] = prior[B, wi] * (1.0 if np.isnan(scale) else scale)
 
 
 @njit(cache=True)
