@@ -103,6 +103,8 @@ CONFIGS = {
     "adaptive": dict(speculative_algorithm="NGRAM_ADAPTIVE"),
     "adaptive_w1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1}),
     "adaptive_cw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": True}),
+    # the wait after a draft counted as plain decoding's cost (the default before charge_waits_to_drafts was)
+    "adaptive_nocw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": False}),
     "adaptive_chain": dict(speculative_algorithm="NGRAM_ADAPTIVE", speculative_ngram_max_bfs_breadth=1),
 }
 
@@ -199,6 +201,8 @@ def run_one(name: str, a) -> dict:
     sched = os.path.join(tempfile.mkdtemp(), "sched.json")
     if a.sched_profile:
         os.environ["NGRAMSPEC_SCHED_PROFILE"] = sched
+        if os.environ.get("CPROF_DIR"):
+            os.environ["NGRAMSPEC_SCHED_CPROFILE"] = os.path.join(os.environ["CPROF_DIR"], f"{name}.pstats")
     t0 = time.time()
     engine = sglang.Engine(model_path=a.model, dtype=a.dtype, tp_size=a.tp, max_running_requests=max(a.concurrency),
                            **{**COMMON, **extra, **cfg})

@@ -42,7 +42,8 @@ ADAPTIVE_CONFIG_KEYS = {
     "state_file": "path of the controller's learned state: loaded at start-up if it exists, written by TP rank 0",
     "state_save_minutes": "minutes between writes of state_file (and once at exit); default 10",
     "charge_waits_to_drafts": "true: the wait a drafting step causes the plain step after it is charged to "
-                              "starting to draft, not to plain decoding; default false",
+                              "starting to draft, not to plain decoding (default); false: it counts as "
+                              "plain decoding's cost",
 }
 
 
@@ -59,7 +60,7 @@ class AdaptiveConfig:
     controller: Mapping[str, Any] = field(default_factory=dict)
     state_file: str | None = None
     state_save_minutes: float = DEFAULT_STATE_SAVE_MINUTES
-    charge_waits_to_drafts: bool = False
+    charge_waits_to_drafts: bool = True
 
     def __post_init__(self):
         widths = tuple(self.widths)
@@ -161,5 +162,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         controller=data.get("controller", {}),
         state_file=data.get("state_file"),
         state_save_minutes=data.get("state_save_minutes", DEFAULT_STATE_SAVE_MINUTES),
-        charge_waits_to_drafts=data.get("charge_waits_to_drafts", False),
+        charge_waits_to_drafts=data.get("charge_waits_to_drafts", True),
     )

@@ -59,6 +59,14 @@ class _Sums:
         self.decode_periods = 0
         self._last_decode = None
         self._rank0 = None
+        # NGRAMSPEC_SCHED_CPROFILE=FILE: cProfile of decode run_batch calls (steps FROM..FROM+N), dumped to FILE
+        self._cprof_path = os.environ.get("NGRAMSPEC_SCHED_CPROFILE")
+        self._cprof = None
+        if self._cprof_path:
+            import cProfile
+            self._cprof = cProfile.Profile()
+            self._cprof_from = int(os.environ.get("NGRAMSPEC_SCHED_CPROFILE_FROM", "300"))
+            self._cprof_steps = int(os.environ.get("NGRAMSPEC_SCHED_CPROFILE_STEPS", "1000"))
 
     def around(self, name, original, *args, **kwargs):
         t = time.perf_counter()
@@ -71,6 +79,18 @@ class _Sums:
 
     def run_batch(self, original, scheduler, batch, *args, **kwargs):
         t = time.perf_counter()
+        if self._cprof is not None and batch is not None and batch.forward_mode.is_decode() and (
+                self._cprof_from <= self.decode_steps < self._cprof_from + self._cprof_steps):
+            self._cprof.enable()
+            try:
+                return self._run_batch(t, original, scheduler, batch, *args, **kwargs)
+            finally:
+                self._cprof.disable()
+                if self.decode_steps == self._cprof_from + self._cprof_steps:
+                    self._cprof.dump_stats(self._cprof_path)
+        return self._run_batch(t, original, scheduler, batch, *args, **kwargs)
+
+    def _run_batch(self, t, original, scheduler, batch, *args, **kwargs):
         if batch is not None and batch.forward_mode.is_decode():
             if self._last_decode is not None and t - self._last_decode < 1.0:
                 self.decode_period_s += t - self._last_decode

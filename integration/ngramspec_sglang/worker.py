@@ -429,11 +429,12 @@ class NgramAdaptiveWorker(NGRAMWorker):
         input_ids.copy_(roots, non_blocking=True)
         seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens = (
             batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens)
+        new_seq_lens = seq_lens + 1
         batch.out_cache_loc = assign_extend_cache_locs_func(
             req_pool_indices=batch.req_pool_indices,
             req_to_token=batch.req_to_token_pool.req_to_token,
             start_offset=seq_lens,
-            end_offset=seq_lens + 1,
+            end_offset=new_seq_lens,
             batch_size=bs,
             draft_token_num=1,
             device=self.device,
@@ -441,7 +442,6 @@ class NgramAdaptiveWorker(NGRAMWorker):
         batch.forward_mode = ForwardMode.DECODE
         batch.input_ids = input_ids
         batch.spec_info = None
-        new_seq_lens = seq_lens + 1
         batch.seq_lens = new_seq_lens
         if seq_lens_cpu is not None:
             batch.seq_lens_cpu = seq_lens_cpu + 1
@@ -457,14 +457,17 @@ class NgramAdaptiveWorker(NGRAMWorker):
             self._forward_s = time.perf_counter() - t
             batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens = (
                 seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens)
-        predict = batch_result.next_token_ids.to(torch.int32)
+        predict = batch_result.next_token_ids
         self._next_roots = (rids, predict)
+        # the relay's rows: the sampled token, then zeros up to the largest width (two kernels, no host work)
+        accept_tokens = torch.zeros((bs, self.max_width), dtype=torch.int32, device=predict.device)
+        accept_tokens.select(1, 0).copy_(predict)
         accept_lens = self._ones[:bs]  # never written to downstream
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
-        return self._result(batch_result.logits_output, padded_rows(predict.view(bs, 1), self.max_width),
-                            accept_lens, new_seq_lens, batch_result.can_run_cuda_graph, 1)
+        return self._result(batch_result.logits_output, accept_tokens.view(-1), accept_lens, new_seq_lens,
+                            batch_result.can_run_cuda_graph, 1)
 
     def _prepare_verify(self, batch: ScheduleBatch, plan, seq_lens_sum: int) -> None:
         bs, w = len(batch.reqs), plan.width

@@ -135,7 +135,7 @@ def test_the_server_knob_is_read_and_validated(tmp_path):
         path.write_text(json.dumps({"widths": [1, 2], **data}))
         return resolve_config(SimpleNamespace(speculative_adaptive_config=str(path)))
 
-    assert config_from({}).charge_waits_to_drafts is False  # the timer keeps waits in width 1's cost
-    assert config_from({"charge_waits_to_drafts": True}).charge_waits_to_drafts is True
+    assert config_from({}).charge_waits_to_drafts is True  # waits after a draft are charged to drafting
+    assert config_from({"charge_waits_to_drafts": False}).charge_waits_to_drafts is False
     with pytest.raises(ValueError, match="charge_waits_to_drafts"):
         config_from({"charge_waits_to_drafts": "yes"})
