@@ -162,5 +162,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         controller=data.get("controller", {}),
         state_file=data.get("state_file"),
         state_save_minutes=data.get("state_save_minutes", DEFAULT_STATE_SAVE_MINUTES),
-        charge_waits_to_drafts=data.get("charge_waits_to_drafts", True),
+        charge_waits_to_drafts=data.get("charge_waits_to_drafts", AdaptiveConfig.charge_waits_to_drafts),
     )

@@ -41,13 +41,18 @@ def full_verify_mask(tree_mask: torch.Tensor, seq_lens, seq_lens_sum: int | None
     return out
 
 
-def padded_rows(accept_tokens: torch.Tensor, stride: int) -> torch.Tensor:
-    """`[bs, width]` accepted tokens -> flat `[bs * stride]`, each row zero-padded to `stride`."""
+def padded_rows(accept_tokens: torch.Tensor, stride: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`[bs, width]` accepted tokens -> flat `[bs * stride]`, each row zero-padded to `stride`; with ``dtype``
+    (other than the tokens'), cast to it in the same pass: zeros, then one copy that casts."""
     if accept_tokens.dim() != 2:
         raise ValueError(f"accept_tokens must be [bs, width], got shape {tuple(accept_tokens.shape)}")
     bs, width = accept_tokens.shape
     if width > stride:
         raise ValueError(f"width {width} exceeds the output stride {stride}")
+    if dtype is not None and dtype != accept_tokens.dtype:
+        out = torch.zeros((bs, stride), dtype=dtype, device=accept_tokens.device)
+        out[:, :width].copy_(accept_tokens)
+        return out.view(-1)
     if width == stride:
         return accept_tokens.flatten()
     return torch.nn.functional.pad(accept_tokens, (0, stride - width)).flatten()  # one kernel

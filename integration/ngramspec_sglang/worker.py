@@ -459,14 +459,12 @@ class NgramAdaptiveWorker(NGRAMWorker):
                 seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens)
         predict = batch_result.next_token_ids
         self._next_roots = (rids, predict)
-        # the relay's rows: the sampled token, then zeros up to the largest width (two kernels, no host work)
-        accept_tokens = torch.zeros((bs, self.max_width), dtype=torch.int32, device=predict.device)
-        accept_tokens.select(1, 0).copy_(predict)
+        accept_tokens = padded_rows(predict.view(bs, 1), self.max_width, torch.int32)
         accept_lens = self._ones[:bs]  # never written to downstream
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
-        return self._result(batch_result.logits_output, accept_tokens.view(-1), accept_lens, new_seq_lens,
+        return self._result(batch_result.logits_output, accept_tokens, accept_lens, new_seq_lens,
                             batch_result.can_run_cuda_graph, 1)
 
     def _prepare_verify(self, batch: ScheduleBatch, plan, seq_lens_sum: int) -> None:

@@ -87,6 +87,17 @@ def test_padded_rows_rejects_bad_shapes():
     assert padded_rows(torch.ones((2, 3), dtype=torch.int32), 4).tolist() == [1, 1, 1, 0, 1, 1, 1, 0]
 
 
+def test_padded_rows_cast_in_one_pass_equals_pad_then_cast():
+    from ngramspec_sglang.relay import padded_rows
+
+    rows = torch.tensor([[7], [100_000]], dtype=torch.int64)  # a sampler's int64 tokens, width 1
+    out = padded_rows(rows, MAX_WIDTH, torch.int32)
+    assert out.dtype == torch.int32 and out.shape == (2 * MAX_WIDTH,)
+    assert torch.equal(out, padded_rows(rows.to(torch.int32), MAX_WIDTH))
+    same = torch.ones((2, 3), dtype=torch.int32)
+    assert torch.equal(padded_rows(same, 4, torch.int32), padded_rows(same, 4))
+
+
 def test_full_verify_mask_equals_ngram_workers_construction():
     from ngramspec_sglang.relay import full_verify_mask
 
