@@ -1,0 +1,38 @@
+"""Per-prompt speedups of a batch-1 run of `scripts/h200_bench.py`: each prompt's decode time (the sum of its
+steps' milliseconds) under plain greedy over its decode time under each policy, same workload and mode.
+
+    python scripts/h200_per_prompt.py DIR/bench.json
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def per_prompt_ms(row: dict) -> list[float]:
+    """Decode milliseconds of each prompt of a batch-1 row (from its step records, or kept per-prompt sums)."""
+    if "decode_ms_per_prompt" in row:
+        return row["decode_ms_per_prompt"]
+    out, i = [], 0
+    for n in row["steps"]:
+        out.append(sum(r["ms"] for r in row["records"][i:i + n]))
+        i += n
+    return out
+
+
+def main(path: str) -> int:
+    rows = [r for r in json.load(open(path))["results"] if r.get("batch") == 1 and "error" not in r]
+    plain = {(r["workload"], r["mode"]): per_prompt_ms(r) for r in rows if r["policy"] == "plain"}
+    for r in rows:
+        base = plain.get((r["workload"], r["mode"]))
+        if r["policy"] == "plain" or base is None:
+            continue
+        x = [b / s for b, s in zip(base, per_prompt_ms(r))]
+        print(f"{r['workload']:5s} {r['mode']:5s} {r['policy']:12s} overall {r['speedup']:.2f}x  per prompt "
+              f"{min(x):.2f}-{max(x):.2f}x, below 0.97x: {sum(v < 0.97 for v in x)} of {len(x)}  "
+              f"[{' '.join(f'{v:.2f}' for v in x)}]  identical {r['identical']}/{r['requests']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
