@@ -106,6 +106,10 @@ CONFIGS = {
     # the wait after a draft counted as plain decoding's cost (the default before charge_waits_to_drafts was)
     "adaptive_nocw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": False}),
     "adaptive_chain": dict(speculative_algorithm="NGRAM_ADAPTIVE", speculative_ngram_max_bfs_breadth=1),
+    # one decode forward per scheduler step where nothing is drafted (the default runs up to 4 back to back)
+    "adaptive_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plain_forwards": 1}),
+    "adaptive_w1_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1,
+                                                                                    "plain_forwards": 1}),
 }
 
 
@@ -129,14 +133,20 @@ def profile_snapshot(path: str) -> dict:
 
 def profile_delta(before: dict, after: dict) -> dict | None:
     """Per step: mean verify width, waiting / planning / launch host ms, over all kinds of step."""
-    tot = {k: 0.0 for k in ("steps", "requests", "width", "wait_s", "plan_s", "launch_s", "forward_s", "graph_steps")}
-    kinds = {}
+    tot = {k: 0.0 for k in ("steps", "requests", "width", "wait_s", "plan_s", "launch_s", "forward_s", "graph_steps",
+                            "forwards")}
+    kinds, by_kind = {}, {}
     for kind, row in after.items():
         if kind.startswith("_"):
             continue
         old = before.get(kind, {})
         d = {k: row.get(k, 0) - old.get(k, 0) for k in tot}
         kinds[kind] = int(d["steps"])
+        if d["steps"]:  # host ms per step of this kind: planning, launch (forward call included), the forward call
+            by_kind[kind] = {"plan_ms": round(1e3 * d["plan_s"] / d["steps"], 3),
+                             "launch_ms": round(1e3 * d["launch_s"] / d["steps"], 3),
+                             "forward_call_ms": round(1e3 * d["forward_s"] / d["steps"], 3),
+                             "forwards_per_step": round(d["forwards"] / d["steps"], 3)}
         for k in tot:
             tot[k] += d[k]
     n = tot["steps"]
@@ -146,7 +156,8 @@ def profile_delta(before: dict, after: dict) -> dict | None:
             "host_ms_per_step": 1e3 * (tot["plan_s"] + tot["launch_s"]) / n,
             "wait_ms_per_step": 1e3 * tot["wait_s"] / n,
             "plan_ms_per_step": 1e3 * tot["plan_s"] / n, "forward_call_ms_per_step": 1e3 * tot["forward_s"] / n,
-            "graph_share": tot["graph_steps"] / n, "steps_by_kind": kinds, "controller": diag_delta(before, after)}
+            "graph_share": tot["graph_steps"] / n, "forwards_per_step": tot["forwards"] / n, "steps_by_kind": kinds,
+            "host_ms_by_kind": by_kind, "controller": diag_delta(before, after)}
 
 
 def diag_delta(before: dict, after: dict) -> dict:
@@ -301,7 +312,7 @@ def main() -> int:
             json.dump(results, f)
     base = results.get("plain", {}).get("runs", {})
     print(f"\n{'config':14s} {'run':9s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} {'width':>6s} "
-          f"{'host ms':>8s} {'wait ms':>8s} {'identical':>10s}")
+          f"{'host ms':>8s} {'wait ms':>8s} {'fwd/step':>8s} {'identical':>10s}")
     for name, res in results.items():
         for run, r in res.get("runs", {}).items():
             ref = base.get(run)
@@ -316,7 +327,8 @@ def main() -> int:
             pr = r.get("profile") or {}
             print(f"{name:14s} {run:9s} {r['tok_s']:8.1f} {ratio:8.3f} {r['accept_len'] or 1.0:7.2f} "
                   f"{pr.get('mean_width', float('nan')):6.2f} {pr.get('host_ms_per_step', float('nan')):8.3f} "
-                  f"{pr.get('wait_ms_per_step', float('nan')):8.3f} {same:>10s}"
+                  f"{pr.get('wait_ms_per_step', float('nan')):8.3f} {pr.get('forwards_per_step', float('nan')):8.2f} "
+                  f"{same:>10s}"
                   + (f"  first differences (prompt, token): {diffs[:4]}" if diffs else ""))
     phases = ["period_ms", "run_batch_ms", "worker_forward_ms", "get_next_batch_to_run_ms", "prepare_for_decode_ms",
               "process_batch_result_ms", "process_result_decode_ms", "batch_copy_ms", "launch_sample_ms",
@@ -329,6 +341,11 @@ def main() -> int:
                 sc = r.get("scheduler") or {}
                 print(f"{name:14s} {run:9s} " + " ".join(
                     f"{sc[p]:12.4f}" if sc.get(p) is not None else f"{'-':>12s}" for p in phases))
+    for name, res in results.items():
+        for run, r in res.get("runs", {}).items():
+            kinds = (r.get("profile") or {}).get("host_ms_by_kind")
+            if kinds:
+                print(f"host ms per step by kind {name} {run}: {json.dumps(kinds)}")
     for name, res in results.items():
         for run, r in res.get("runs", {}).items():
             ctl = (r.get("profile") or {}).get("controller")

@@ -1,4 +1,5 @@
-"""When the worker plans: every step while drafts pay, less often while they do not.
+"""When the worker plans (every step while drafts pay, less often while they do not), and how many decode
+forwards a step that drafts nothing runs.
 
 Planning (syncing the cache with the committed tokens, proposing drafts, weighing widths) costs host time on every
 decode step, and on a small model whose decode step is itself mostly host time that shows. After ``n`` plans in a
@@ -32,3 +33,31 @@ class PlanBackoff:
 
     def reset(self) -> None:
         self.idle_plans = self.to_skip = 0
+
+
+def plain_forwards(limit: int, batch) -> int:
+    """How many decode forwards a step that drafts nothing runs back to back (multi-step decoding): up to
+    ``limit``, never more than the most tokens a request of the batch may still generate, and 1 where a forward
+    would need host state the chunk does not update between its forwards: penalties or a custom logit processor
+    that read the output so far, sampling masks or hidden states returned per token. Every TP rank sees the same
+    batch, so every rank runs the same count. Tokens past a request's stop are dropped by SGLang, as a verify's are.
+    """
+    if limit <= 1 or getattr(batch, "return_hidden_states", False):
+        return 1
+    info = getattr(batch, "sampling_info", None)
+    if info is not None:
+        orchestrator = getattr(info, "penalizer_orchestrator", None)
+        if (orchestrator is not None and orchestrator.is_required) or getattr(info, "has_custom_logit_processor",
+                                                                              False):
+            return 1
+        if any(getattr(info, "return_sampling_masks", None) or ()):
+            return 1
+    most = 1
+    for req in batch.reqs:
+        cap = getattr(req.sampling_params, "max_new_tokens", None)
+        if cap is None:
+            return limit
+        most = max(most, cap - len(req.output_ids))
+        if most >= limit:
+            return limit
+    return most

@@ -22,6 +22,7 @@ DEFAULT_MAX_WIDTH = 16
 DEFAULT_MAX_RUNNING_REQUESTS = 48  # SGLang's NGRAM default, kept for a like-for-like comparison
 DEFAULT_TP_SYNC_INTERVAL = 8
 DEFAULT_STATE_SAVE_MINUTES = 10.0
+DEFAULT_PLAIN_FORWARDS = 4
 
 # SGLang `--speculative-ngram-*` options we do not use, with the reason shown to the user.
 IGNORED_NGRAM_OPTIONS = {
@@ -44,6 +45,9 @@ ADAPTIVE_CONFIG_KEYS = {
     "charge_waits_to_drafts": "true: the wait a drafting step causes the plain step after it is charged to "
                               "starting to draft, not to plain decoding (default); false: it counts as "
                               "plain decoding's cost",
+    "plain_forwards": "decode forwards a step that drafts nothing runs back to back (multi-step decoding: the "
+                      "scheduler's per-step host work is paid once for them); 1 to the largest width, default "
+                      f"{DEFAULT_PLAIN_FORWARDS}; 1 = one forward per scheduler step, like SGLang's own decode",
 }
 
 
@@ -61,6 +65,7 @@ class AdaptiveConfig:
     state_file: str | None = None
     state_save_minutes: float = DEFAULT_STATE_SAVE_MINUTES
     charge_waits_to_drafts: bool = True
+    plain_forwards: int | None = None  # None: DEFAULT_PLAIN_FORWARDS, at most the largest width
 
     def __post_init__(self):
         widths = tuple(self.widths)
@@ -91,6 +96,11 @@ class AdaptiveConfig:
         m = self.state_save_minutes
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0 or m == float("inf"):
             raise ValueError(f"state_save_minutes must be a positive number, got {m!r}")
+        if self.plain_forwards is None:
+            object.__setattr__(self, "plain_forwards", min(DEFAULT_PLAIN_FORWARDS, widths[-1]))
+        if not _is_int(self.plain_forwards) or not 1 <= self.plain_forwards <= widths[-1]:
+            raise ValueError(f"plain_forwards must be an int from 1 to the largest width ({widths[-1]}), "
+                             f"got {self.plain_forwards!r}")
         object.__setattr__(self, "widths", widths)
 
     @property
@@ -163,4 +173,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         state_file=data.get("state_file"),
         state_save_minutes=data.get("state_save_minutes", DEFAULT_STATE_SAVE_MINUTES),
         charge_waits_to_drafts=data.get("charge_waits_to_drafts", AdaptiveConfig.charge_waits_to_drafts),
+        plain_forwards=data.get("plain_forwards"),
     )

@@ -13,6 +13,9 @@ is the first period of each (width, batch size): the first step of a shape pays 
 allocations, kernel builds, a first graph replay) that can be a hundred times a step's cost. One such sample
 would set that width's estimate, and through it the estimates of the widths never measured, so high that the
 controller never tries them again.
+A step that runs several decode forwards back to back (a plain step of ``forwards`` forwards, see
+`backoff.plain_forwards`) is recorded as what one of its forwards cost: its period divided by ``forwards``, the
+scheduler's host work shared among them.
 Marks are CUDA events on the forward stream (read without blocking, once the GPU has passed them), or host
 clock readings where there is no GPU.
 
@@ -63,9 +66,10 @@ class StepTimer:
         return cls(record, mark, lambda e: e.query(), lambda a, b: a.elapsed_time(b) / 1000.0,
                    record_wait=record_wait)
 
-    def step_launched(self, width: int, batch_size: int) -> None:
-        """Call after a decode step's work was launched."""
-        self._queue.append((int(width), int(batch_size), self._mark(), self._chained, self._last_width > 1))
+    def step_launched(self, width: int, batch_size: int, forwards: int = 1) -> None:
+        """Call after a decode step's work was launched (``forwards``: the decode forwards it ran back to back)."""
+        self._queue.append((int(width), int(batch_size), self._mark(), self._chained, self._last_width > 1,
+                            int(forwards)))
         self._chained = True
         self._last_width = int(width)
         self.harvest()
@@ -77,17 +81,18 @@ class StepTimer:
     def harvest(self) -> None:
         """Record every step whose end the device has passed (never waits)."""
         while self._queue and self._passed(self._queue[0][2]):
-            width, batch_size, mark, chained, after_draft = self._queue.popleft()
+            width, batch_size, mark, chained, after_draft, forwards = self._queue.popleft()
             if chained and self._last is not None:
                 period = self._seconds(self._last, mark)
-                if self._seen is not None and (width, batch_size) not in self._seen:
-                    self._seen.add((width, batch_size))
+                shape = (width, batch_size, forwards)
+                if self._seen is not None and shape not in self._seen:
+                    self._seen.add(shape)
                     self.dropped += 1
                 elif 0.0 < period <= self._max_period_s:
                     if width == 1 and after_draft and self._record_wait is not None:
                         self._record_wait(batch_size, period)
                     else:
-                        self._record(width, batch_size, period)
+                        self._record(width, batch_size, period / forwards)
                     self.recorded += 1
                 else:
                     self.dropped += 1

@@ -61,7 +61,7 @@ from sglang.srt.speculative.spec_utils import (
 from sglang.srt.utils import is_cpu
 
 from .algorithm import set_cpu_seq_lens_need
-from .backoff import PlanBackoff
+from .backoff import PlanBackoff, plain_forwards
 from .config import resolve_config
 from .drafting import DraftPlanner
 from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens, request_views
@@ -158,7 +158,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
     def _init_preallocated_tensors(self):
         bs, w = self.max_batch_size, self.max_width
         long = dict(dtype=torch.int64, device=self.device)
-        self._ones = torch.ones(bs, dtype=torch.int32, device=self.device)  # accept lengths of plain steps
+        # accept lengths of plain steps: row k-1 holds k for every request (never written to downstream)
+        self._plain_lens = torch.arange(1, w + 1, dtype=torch.int32, device=self.device)[:, None].repeat(1, bs)
         self.draft_tokens = torch.empty(bs * w, **long)
         self.positions = torch.empty(bs * w, **long)
         self.retrieve_indexes = torch.empty(bs * w, **long)
@@ -363,11 +364,12 @@ class NgramAdaptiveWorker(NGRAMWorker):
             if roots is not None:
                 self._backoff.skip_planning()
                 t_plan = time.perf_counter()
-                result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids)
-                self._timer.step_launched(1, bs)
+                forwards = plain_forwards(self.config.plain_forwards, batch)
+                result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids, forwards)
+                self._timer.step_launched(1, bs, forwards)
                 if self._profile is not None:
                     self._profile.add(1, bs, True, 0.0, t_plan - t0, time.perf_counter() - t_plan,
-                                      self._forward_s, result.can_run_cuda_graph)
+                                      self._forward_s, result.can_run_cuda_graph, forwards=forwards)
                 return result
         # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
         views = request_views(batch, relayed and not lagging)
@@ -381,10 +383,14 @@ class NgramAdaptiveWorker(NGRAMWorker):
             plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last)
             lagging = False
         t_plan = time.perf_counter()
+        forwards = 1
         if plan.width == 1 and plain_fits:
             if roots is None:
                 roots = torch.from_numpy(np.ascontiguousarray(plan.tokens[:, 0], dtype=np.int64))
-            result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids)
+            # the step right after a drafting step stays one forward: it waited, and its period is that wait's
+            if not self._drafted_last:
+                forwards = plain_forwards(self.config.plain_forwards, batch)
+            result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids, forwards)
         else:
             # the root is the last committed token, not yet in the KV cache
             seq_lens_host = [v.committed_len - 1 for v in views]
@@ -392,10 +398,10 @@ class NgramAdaptiveWorker(NGRAMWorker):
             self._next_roots = None
         self._drafted_last = plan.width > 1
         self._backoff.planned(plan.width)
-        self._timer.step_launched(plan.width, bs)
+        self._timer.step_launched(plan.width, bs, forwards)
         if self._profile is not None:
             self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,
-                              self._forward_s, result.can_run_cuda_graph, plan, self.planner.controller)
+                              self._forward_s, result.can_run_cuda_graph, plan, self.planner.controller, forwards)
         if self._draft_log is not None:
             self._draft_log.write(plan)
         return result
@@ -417,55 +423,70 @@ class NgramAdaptiveWorker(NGRAMWorker):
             or get_exec().mamba.enable_mamba_extra_buffer
         )
 
-    def _forward_plain(self, batch: ScheduleBatch, roots: torch.Tensor, on_publish, pp_proxy_tensors, rids: tuple):
-        """Width 1: one DECODE forward of each request's last committed token and the normal sampler.
+    def _forward_plain(self, batch: ScheduleBatch, roots: torch.Tensor, on_publish, pp_proxy_tensors, rids: tuple,
+                       forwards: int = 1):
+        """Width 1: ``forwards`` DECODE forwards back to back, each of the last token (the first of each request's
+        last committed token, every later one of the token the forward before sampled, on the device) through the
+        decode graph and the normal sampler. To SGLang the step is a verify that accepted ``forwards`` tokens per
+        request (none of them a draft): it commits them, drops any past a request's stop, and its per-step host
+        work (scheduling, relay, result processing) is paid once for all of them. KV slots for up to the largest
+        width per request are reserved before every step, so ``forwards`` (at most that width) always fits.
 
         Under speculation the batch's `seq_lens` count the tokens already in the KV cache and the last committed
-        token is not among them (a verify writes it first); a decode forward counts the token it writes. So the
-        forward runs over `seq_lens + 1`, writing at slot `seq_lens`, and the batch gets its lengths back after."""
+        token is not among them (a verify writes it first); a decode forward counts the token it writes. So forward
+        i runs over `seq_lens + i + 1`, writing at slot `seq_lens + i`, and the batch gets its lengths back after."""
         bs = len(batch.reqs)
         self._activate(self._decode_state, 1)
-        input_ids = self.draft_tokens[:bs]
-        input_ids.copy_(roots, non_blocking=True)
         seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens = (
             batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens)
-        new_seq_lens = seq_lens + 1
-        batch.out_cache_loc = assign_extend_cache_locs_func(
+        cache_locs = assign_extend_cache_locs_func(
             req_pool_indices=batch.req_pool_indices,
             req_to_token=batch.req_to_token_pool.req_to_token,
             start_offset=seq_lens,
-            end_offset=new_seq_lens,
+            end_offset=seq_lens + forwards,
             batch_size=bs,
-            draft_token_num=1,
+            draft_token_num=forwards,
             device=self.device,
         )
+        if forwards > 1:  # row i: every request's slot for forward i
+            cache_locs = cache_locs.view(bs, forwards).t().contiguous()
         batch.forward_mode = ForwardMode.DECODE
-        batch.input_ids = input_ids
         batch.spec_info = None
-        batch.seq_lens = new_seq_lens
-        if seq_lens_cpu is not None:
-            batch.seq_lens_cpu = seq_lens_cpu + 1
-        if seq_lens_sum is not None:
-            batch.seq_lens_sum = seq_lens_sum + bs
-        if orig_seq_lens is not None:
-            batch.orig_seq_lens = orig_seq_lens + 1
+        input_ids = self.draft_tokens[:bs]
+        tokens, predicts = roots, []
         set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
         t = time.perf_counter()
         try:
-            batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+            for i in range(forwards):
+                input_ids.copy_(tokens, non_blocking=True)  # stream-ordered after the forward that sampled them
+                batch.input_ids = input_ids
+                batch.out_cache_loc = cache_locs[i] if forwards > 1 else cache_locs
+                batch.seq_lens = seq_lens + (i + 1)
+                if seq_lens_cpu is not None:
+                    batch.seq_lens_cpu = seq_lens_cpu + (i + 1)
+                if seq_lens_sum is not None:
+                    batch.seq_lens_sum = seq_lens_sum + bs * (i + 1)
+                if orig_seq_lens is not None:
+                    batch.orig_seq_lens = orig_seq_lens + (i + 1)
+                batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+                tokens = batch_result.next_token_ids
+                predicts.append(tokens)
         finally:
             self._forward_s = time.perf_counter() - t
+            new_seq_lens = batch.seq_lens
             batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens = (
                 seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens)
-        predict = batch_result.next_token_ids
-        self._next_roots = (rids, predict)
-        accept_tokens = padded_rows(predict.view(bs, 1), self.max_width, torch.int32)
-        accept_lens = self._ones[:bs]  # never written to downstream
+        self._next_roots = (rids, tokens)
+        rows = predicts[0].view(bs, 1) if forwards == 1 else torch.stack(predicts, dim=1)
+        accept_tokens = padded_rows(rows, self.max_width, torch.int32)
+        accept_lens = self._plain_lens[forwards - 1, :bs]
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
-        return self._result(batch_result.logits_output, accept_tokens, accept_lens, new_seq_lens,
-                            batch_result.can_run_cuda_graph, 1)
+        result = self._result(batch_result.logits_output, accept_tokens, accept_lens, new_seq_lens,
+                              batch_result.can_run_cuda_graph, 1)
+        result.num_non_draft_tokens_per_req = forwards  # SGLang's accept rate counts drafts only
+        return result
 
     def _prepare_verify(self, batch: ScheduleBatch, plan, seq_lens_sum: int) -> None:
         bs, w = len(batch.reqs), plan.width
@@ -629,7 +650,7 @@ class _HostProfile:
         row[3] = max(row[3], seconds)
 
     def add(self, width: int, batch_size: int, lagging: bool, wait_s: float, plan_s: float, launch_s: float,
-            forward_s: float, graph: bool, plan=None, controller=None) -> None:
+            forward_s: float, graph: bool, plan=None, controller=None, forwards: int = 1) -> None:
         key = ("plain-overlapped" if lagging else "plain") if width == 1 else "verify"
         if plan is not None:
             self.reasons[plan.reason] = self.reasons.get(plan.reason, 0) + 1
@@ -639,9 +660,10 @@ class _HostProfile:
                 self.expected[2] += float(plan.expected_tokens)
             self.controller = controller
             self.batches.add(batch_size)
-        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0])
+        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, 0])
         row[6] += forward_s
         row[7] += bool(graph)
+        row[8] += forwards
         row[0] += 1
         row[1] += batch_size
         row[2] += wait_s
@@ -652,7 +674,7 @@ class _HostProfile:
 
     def dump(self) -> None:
         out = {k: {"steps": r[0], "requests": r[1], "width": r[5], "wait_s": r[2], "plan_s": r[3], "launch_s": r[4],
-                   "forward_s": r[6], "graph_steps": r[7]} for k, r in self.rows.items()}
+                   "forward_s": r[6], "graph_steps": r[7], "forwards": r[8]} for k, r in self.rows.items()}
         costs = {}
         estimates = getattr(getattr(self.controller, "costs", None), "row", None)
         if estimates is not None:

@@ -1,7 +1,9 @@
 """The worker's planning back-off (`ngramspec_sglang.backoff.PlanBackoff`), on CPU."""
+from types import SimpleNamespace
+
 import pytest
 
-from ngramspec_sglang.backoff import PlanBackoff
+from ngramspec_sglang.backoff import PlanBackoff, plain_forwards
 
 
 def run(widths_when_planning, steps, max_skipped=3):
@@ -35,3 +37,28 @@ def test_reset_forgets_the_idle_run():
         b.planned(1)
     b.reset()
     assert not b.skip_planning() and b.idle_plans == 0
+
+
+def batch_of(remaining, *, penalties=False, custom=False, masks=None, hidden=False, max_new=100):
+    """A duck-typed decode batch whose requests may still generate ``remaining[i]`` tokens."""
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(max_new_tokens=max_new),
+                            output_ids=[0] * (max_new - r if max_new is not None else 5)) for r in remaining]
+    info = SimpleNamespace(penalizer_orchestrator=SimpleNamespace(is_required=penalties),
+                           has_custom_logit_processor=custom, return_sampling_masks=masks)
+    return SimpleNamespace(reqs=reqs, sampling_info=info, return_hidden_states=hidden)
+
+
+def test_plain_forwards_run_up_to_the_limit_and_no_further_than_any_request_may_go():
+    assert plain_forwards(4, batch_of([50, 60])) == 4
+    assert plain_forwards(4, batch_of([2, 3])) == 3  # the longest remaining budget bounds the chunk
+    assert plain_forwards(4, batch_of([1])) == 1
+    assert plain_forwards(4, batch_of([0, -2])) == 1  # finished rows still in the batch (overlap): one forward
+    assert plain_forwards(1, batch_of([50])) == 1
+    assert plain_forwards(8, batch_of([50], max_new=None)) == 8
+
+
+@pytest.mark.parametrize("state", [dict(penalties=True), dict(custom=True), dict(masks=[False, True]),
+                                   dict(hidden=True)])
+def test_one_forward_where_a_later_forward_would_need_host_state_the_chunk_skips(state):
+    assert plain_forwards(4, batch_of([50, 50], **state)) == 1
+    assert plain_forwards(4, batch_of([50, 50], masks=[False, False])) == 4

@@ -118,7 +118,8 @@ def test_result_and_verify_input_fields():
     result = class_node("sglang.srt.managers.utils", "GenerationBatchResult")
     fields = {n.target.id for n in result.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     assert {"speculative_num_draft_tokens", "speculative_output_stride", "next_draft_input", "accept_lens",
-            "new_seq_lens", "can_run_cuda_graph", "next_token_ids", "logits_output"} <= fields
+            "new_seq_lens", "can_run_cuda_graph", "next_token_ids", "logits_output",
+            "num_non_draft_tokens_per_req"} <= fields
     params = inspect.signature(NgramVerifyInput.__init__).parameters
     assert {"draft_token", "custom_mask", "positions", "retrieve_index", "retrieve_next_token",
             "retrieve_next_sibling", "draft_token_num", "new_seq_lens", "accept_tokens", "accept_lens"} <= set(params)

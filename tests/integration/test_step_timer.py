@@ -129,6 +129,21 @@ def test_waits_after_drafting_steps_go_to_record_wait_when_given():
                           (1, 4, 2.0)], [(4, 5.0), (4, 5.0)])
 
 
+def test_a_step_of_several_forwards_records_what_one_forward_cost():
+    """A plain step of 4 forwards back to back took 4.4 (4 x 1.0 of forwards, 0.4 of scheduler work paid once):
+    one forward then costs 1.1, and that is the width-1 cost the controller weighs drafting against."""
+    records = []
+    dev, timer = make(records, drop_first=True)
+    for forwards, work in [(1, 1.4), (4, 4.4), (4, 4.4), (1, 1.4), (4, 4.4)]:
+        dev.launch(at=0.0, work=work)
+        timer.step_launched(1, 2, forwards)
+    dev.now = 100.0
+    timer.harvest()
+    # the first step of each (width, batch, forwards) is dropped, as a new shape's
+    assert records == [(1, 2, 1.1), (1, 2, 1.1)]
+    assert timer.dropped == 2
+
+
 def test_the_server_knob_is_read_and_validated(tmp_path):
     def config_from(data):
         path = tmp_path / "adaptive.json"
@@ -139,3 +154,18 @@ def test_the_server_knob_is_read_and_validated(tmp_path):
     assert config_from({"charge_waits_to_drafts": False}).charge_waits_to_drafts is False
     with pytest.raises(ValueError, match="charge_waits_to_drafts"):
         config_from({"charge_waits_to_drafts": "yes"})
+
+
+def test_the_plain_forwards_knob_is_read_and_validated(tmp_path):
+    def config_from(data):
+        path = tmp_path / "adaptive.json"
+        path.write_text(json.dumps({"widths": [1, 2, 8], **data}))
+        return resolve_config(SimpleNamespace(speculative_adaptive_config=str(path)))
+
+    assert config_from({}).plain_forwards == 4
+    assert config_from({"plain_forwards": 1}).plain_forwards == 1
+    assert config_from({"plain_forwards": 8}).plain_forwards == 8
+    assert config_from({"widths": [1, 2]}).plain_forwards == 2  # the default, at most the largest width
+    for bad in (0, 9, 2.0, True, "4"):  # the KV reserved per request per step holds the largest width
+        with pytest.raises(ValueError, match="plain_forwards"):
+            config_from({"plain_forwards": bad})
