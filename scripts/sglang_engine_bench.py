@@ -101,11 +101,15 @@ CONFIGS = {
     "plain": {},
     "ngram": dict(speculative_algorithm="NGRAM"),  # SGLang's own n-gram speculation at its defaults
     "adaptive": dict(speculative_algorithm="NGRAM_ADAPTIVE"),
-    "adaptive_w1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1}),
+    # fixed width 1 drafts nothing: multi-step plain decoding alone (plain_forwards at every batch size)
+    "adaptive_w1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1,
+                                                                                "plain_forwards_max_batch": 48}),
     "adaptive_cw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": True}),
     # the wait after a draft counted as plain decoding's cost (the default before charge_waits_to_drafts was)
     "adaptive_nocw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": False}),
     "adaptive_chain": dict(speculative_algorithm="NGRAM_ADAPTIVE", speculative_ngram_max_bfs_breadth=1),
+    # plain_forwards at every batch size (the default: batches of one request only)
+    "adaptive_mb48": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plain_forwards_max_batch": 48}),
     # one decode forward per scheduler step where nothing is drafted (the default runs up to 4 back to back)
     "adaptive_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plain_forwards": 1}),
     "adaptive_w1_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1,

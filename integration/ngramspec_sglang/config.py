@@ -23,6 +23,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 48  # SGLang's NGRAM default, kept for a like-for
 DEFAULT_TP_SYNC_INTERVAL = 8
 DEFAULT_STATE_SAVE_MINUTES = 10.0
 DEFAULT_PLAIN_FORWARDS = 4
+DEFAULT_PLAIN_FORWARDS_MAX_BATCH = 1
 
 # SGLang `--speculative-ngram-*` options we do not use, with the reason shown to the user.
 IGNORED_NGRAM_OPTIONS = {
@@ -48,6 +49,9 @@ ADAPTIVE_CONFIG_KEYS = {
     "plain_forwards": "decode forwards a step that drafts nothing runs back to back (multi-step decoding: the "
                       "scheduler's per-step host work is paid once for them); 1 to the largest width, default "
                       f"{DEFAULT_PLAIN_FORWARDS}; 1 = one forward per scheduler step, like SGLang's own decode",
+    "plain_forwards_max_batch": "the largest decode batch (requests) whose plain steps run plain_forwards forwards; "
+                                "larger batches run one per step. Default "
+                                f"{DEFAULT_PLAIN_FORWARDS_MAX_BATCH}",
 }
 
 
@@ -66,6 +70,7 @@ class AdaptiveConfig:
     state_save_minutes: float = DEFAULT_STATE_SAVE_MINUTES
     charge_waits_to_drafts: bool = True
     plain_forwards: int | None = None  # None: DEFAULT_PLAIN_FORWARDS, at most the largest width
+    plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
 
     def __post_init__(self):
         widths = tuple(self.widths)
@@ -101,6 +106,8 @@ class AdaptiveConfig:
         if not _is_int(self.plain_forwards) or not 1 <= self.plain_forwards <= widths[-1]:
             raise ValueError(f"plain_forwards must be an int from 1 to the largest width ({widths[-1]}), "
                              f"got {self.plain_forwards!r}")
+        if not _is_int(self.plain_forwards_max_batch) or self.plain_forwards_max_batch < 1:
+            raise ValueError(f"plain_forwards_max_batch must be an int >= 1, got {self.plain_forwards_max_batch!r}")
         object.__setattr__(self, "widths", widths)
 
     @property
@@ -174,4 +181,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         state_save_minutes=data.get("state_save_minutes", DEFAULT_STATE_SAVE_MINUTES),
         charge_waits_to_drafts=data.get("charge_waits_to_drafts", AdaptiveConfig.charge_waits_to_drafts),
         plain_forwards=data.get("plain_forwards"),
+        plain_forwards_max_batch=data.get("plain_forwards_max_batch", DEFAULT_PLAIN_FORWARDS_MAX_BATCH),
     )

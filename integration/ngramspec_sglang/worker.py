@@ -364,7 +364,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
             if roots is not None:
                 self._backoff.skip_planning()
                 t_plan = time.perf_counter()
-                forwards = plain_forwards(self.config.plain_forwards, batch)
+                forwards = plain_forwards(self.config.plain_forwards, batch, self.config.plain_forwards_max_batch)
                 result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids, forwards)
                 self._timer.step_launched(1, bs, forwards)
                 if self._profile is not None:
@@ -389,7 +389,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
                 roots = torch.from_numpy(np.ascontiguousarray(plan.tokens[:, 0], dtype=np.int64))
             # the step right after a drafting step stays one forward: it waited, and its period is that wait's
             if not self._drafted_last:
-                forwards = plain_forwards(self.config.plain_forwards, batch)
+                forwards = plain_forwards(self.config.plain_forwards, batch, self.config.plain_forwards_max_batch)
             result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids, forwards)
         else:
             # the root is the last committed token, not yet in the KV cache

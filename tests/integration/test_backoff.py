@@ -57,6 +57,12 @@ def test_plain_forwards_run_up_to_the_limit_and_no_further_than_any_request_may_
     assert plain_forwards(8, batch_of([50], max_new=None)) == 8
 
 
+def test_plain_forwards_only_for_batches_up_to_the_limit():
+    assert plain_forwards(4, batch_of([50]), max_batch=1) == 4
+    assert plain_forwards(4, batch_of([50, 50]), max_batch=1) == 1
+    assert plain_forwards(4, batch_of([50, 50]), max_batch=2) == 4
+
+
 @pytest.mark.parametrize("state", [dict(penalties=True), dict(custom=True), dict(masks=[False, True]),
                                    dict(hidden=True)])
 def test_one_forward_where_a_later_forward_would_need_host_state_the_chunk_skips(state):

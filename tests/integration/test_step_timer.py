@@ -163,6 +163,11 @@ def test_the_plain_forwards_knob_is_read_and_validated(tmp_path):
         return resolve_config(SimpleNamespace(speculative_adaptive_config=str(path)))
 
     assert config_from({}).plain_forwards == 4
+    assert config_from({}).plain_forwards_max_batch == 1
+    assert config_from({"plain_forwards_max_batch": 16}).plain_forwards_max_batch == 16
+    for bad in (0, 1.5, None, "2"):
+        with pytest.raises(ValueError, match="plain_forwards_max_batch"):
+            config_from({"plain_forwards_max_batch": bad})
     assert config_from({"plain_forwards": 1}).plain_forwards == 1
     assert config_from({"plain_forwards": 8}).plain_forwards == 8
     assert config_from({"widths": [1, 2]}).plain_forwards == 2  # the default, at most the largest width
