@@ -110,7 +110,7 @@ CONFIGS = {
     "adaptive_chain": dict(speculative_algorithm="NGRAM_ADAPTIVE", speculative_ngram_max_bfs_breadth=1),
     # plain_forwards at every batch size (the default: batches of one request only)
     "adaptive_mb48": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plain_forwards_max_batch": 48}),
-    # one decode forward per scheduler step where nothing is drafted (the default runs up to 4 back to back)
+    # one decode forward per scheduler step where nothing is drafted (the default runs up to 4 at batch size 1)
     "adaptive_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plain_forwards": 1}),
     "adaptive_w1_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1,
                                                                                     "plain_forwards": 1}),

@@ -38,10 +38,10 @@ class PlanBackoff:
 def plain_forwards(limit: int, batch, max_batch: int | None = None) -> int:
     """How many decode forwards a step that drafts nothing runs back to back (multi-step decoding): up to
     ``limit`` for a batch of at most ``max_batch`` requests (any size if None), 1 for a larger one, never more
-    than the most tokens a request of the batch may still generate, and 1 where a forward
-    would need host state the chunk does not update between its forwards: penalties or a custom logit processor
-    that read the output so far, sampling masks or hidden states returned per token. Every TP rank sees the same
-    batch, so every rank runs the same count. Tokens past a request's stop are dropped by SGLang, as a verify's are.
+    than the most tokens a request of the batch may still generate, and 1 where a forward would need host state
+    the chunk does not update between its forwards: penalties or a custom logit processor that read the output so
+    far, sampling masks or hidden states returned per token. Every TP rank sees the same batch, so every rank runs
+    the same count. Tokens past a request's stop are dropped by SGLang, as a verify's are.
     """
     if limit <= 1 or getattr(batch, "return_hidden_states", False):
         return 1
