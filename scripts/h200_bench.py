@@ -47,7 +47,8 @@ def run_config(model, prompts, batch, mode, spec, max_new, eos):
                                rids=list(range(start, start + batch)) if policy else None, eos_token_id=eos)
         outputs += res.outputs
         steps += res.steps
-        records += [{"width": r.width, "kept": r.kept, "accepted": r.accepted, "ms": r.seconds * 1e3}
+        records += [{"width": r.width, "kept": r.kept, "accepted": r.accepted, "ms": r.seconds * 1e3,
+                     "host_ms": r.host_seconds * 1e3}
                     for r in res.records]
         decode_s += res.decode_seconds
         prefill_s += res.prefill_seconds

@@ -20,17 +20,48 @@ def per_prompt_ms(row: dict) -> list[float]:
     return out
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def width1_costs(row: dict) -> str:
+    """Median milliseconds of the row's width-1 steps: all, right after a drafting step, after a width-1 step;
+    and their host part (outside the verify forward), where the records carry it."""
+    recs = row.get("records")
+    if not recs:
+        return ""
+    after_draft, after_plain, host = [], [], []
+    i = 0
+    for n in row["steps"]:
+        prev = None
+        for r in recs[i:i + n]:
+            if r["width"] == 1:
+                if prev is not None:
+                    (after_draft if prev > 1 else after_plain).append(r["ms"])
+                if "host_ms" in r:
+                    host.append(r["host_ms"])
+            prev = r["width"]
+        i += n
+    return (f"  width-1 steps: median {_median(after_draft + after_plain):.2f} ms (after a draft "
+            f"{_median(after_draft):.2f} ms x{len(after_draft)}, after width 1 {_median(after_plain):.2f} ms "
+            f"x{len(after_plain)}; host part {_median(host):.3f} ms)")
+
+
 def main(path: str) -> int:
     rows = [r for r in json.load(open(path))["results"] if r.get("batch") == 1 and "error" not in r]
     plain = {(r["workload"], r["mode"]): per_prompt_ms(r) for r in rows if r["policy"] == "plain"}
     for r in rows:
         base = plain.get((r["workload"], r["mode"]))
+        if r["policy"] == "plain":
+            print(f"{r['workload']:5s} {r['mode']:5s} plain        {width1_costs(r)}")
         if r["policy"] == "plain" or base is None:
             continue
         x = [b / s for b, s in zip(base, per_prompt_ms(r))]
         print(f"{r['workload']:5s} {r['mode']:5s} {r['policy']:12s} overall {r['speedup']:.2f}x  per prompt "
               f"{min(x):.2f}-{max(x):.2f}x, below 0.97x: {sum(v < 0.97 for v in x)} of {len(x)}  "
               f"[{' '.join(f'{v:.2f}' for v in x)}]  identical {r['identical']}/{r['requests']}")
+        print(f"{'':25s}{width1_costs(r)}")
     return 0
 
 

@@ -40,6 +40,7 @@ class StepRecord:
     kept: list[int]        # draft nodes verified, per active request
     accepted: list[int]    # draft nodes accepted, per active request
     seconds: float
+    host_seconds: float = 0.0   # the part of `seconds` outside the verify forward (drafts, plan, walk, moves)
 
 
 @dataclass
@@ -213,7 +214,9 @@ class SpecDecoder:
             depth = np.stack([r[2] for r in rows])
             anc = np.stack([r[3] for r in rows])
             L = int(length.max()) + width
+            t_verify = time.perf_counter()
             predicted = self._verify(tok, depth, anc, length, L)
+            t_verified = time.perf_counter()
 
             accepted_counts = np.zeros(len(act), np.int64)
             mv_rows, mv_src, mv_dst = [], [], []
@@ -249,10 +252,12 @@ class SpecDecoder:
                 if progress is not None:
                     progress.update(len(new))
             self.kv.move(mv_rows, mv_src, mv_dst)
-            seconds = time.perf_counter() - t_step
+            t_end = time.perf_counter()
+            seconds = t_end - t_step
             if policy is not None:
                 policy.observe_step(len(act), width, seconds * 1e3)
-            records.append(StepRecord(width, kept.tolist(), accepted_counts.tolist(), seconds))
+            records.append(StepRecord(width, kept.tolist(), accepted_counts.tolist(), seconds,
+                                      (t_verify - t_step) + (t_end - t_verified)))
         _sync(dev)
         decode_seconds = time.perf_counter() - t0
         if cache is not None:
