@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ngramspec.controller import Controller, FixedBudgetController
-from ngramspec.layout import greedy_walk, tree_rows
+from ngramspec.layout import greedy_walk, layout_flat
 
 from .model import KVModel
 
@@ -112,6 +112,7 @@ class SpecDecoder:
         self.kv = kv
         self.verifier = Verifier(kv, runner)
         self.device = kv.device
+        self._arange = None  # 0..max_len-1 on the device, for the verify masks
 
     # -- prefill --------------------------------------------------------------------------------------
     def _prefill(self, row: int, tokens: Sequence[int]) -> None:
@@ -176,24 +177,29 @@ class SpecDecoder:
         root = np.array([p[-1] for p in prompts], np.int64)           # last committed token, not yet in cache
         outputs: list[list[int]] = [[] for _ in range(B)]
         steps = [0] * B
-        active = np.ones(B, bool)
         records: list[StepRecord] = []
         # a controller with the one-call `step` (AdaptiveController) takes each row's tokens of the last step
         # with the next step's drafts and plan; a row's last tokens go to the cache when it finishes
         one_call = policy is not None and callable(getattr(policy, "step", None))
-        fresh: list[list[int]] = [[] for _ in range(B)]
+        fresh: list[np.ndarray] = [np.zeros(0, np.int32) for _ in range(B)]
         if cache is not None:
             for rid, p in zip(rids, prompts):
                 cache.start_request(rid, p)
                 policy.start(rid)
 
         t0 = time.perf_counter()
-        while active.any():
+        act = list(range(B))                       # rows still decoding (finished rows ride along, parked)
+        counts = np.zeros(B, np.int64)             # draft nodes each row verifies this step
+        row_offsets = np.zeros(B + 1, np.int64)    # where each row's draft starts in the step's flat arrays
+        no_tokens, no_parents = np.zeros(0, np.int32), np.zeros(0, np.int32)
+        root_parent, root_depth = np.full((B, 1), -1, np.int64), np.zeros((B, 1), np.int64)
+        root_mask = np.ones((B, 1, 1), bool)
+        while act:
             t_step = time.perf_counter()
-            act = np.flatnonzero(active)
-            drafts = [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * B
-            kept = np.zeros(len(act), np.int64)
-            width = 1
+            n_act = len(act)
+            counts[:] = 0
+            width, kept = 1, None
+            d_tok, d_par, offs = no_tokens, no_parents, row_offsets
             if policy is not None:
                 act_rids = [rids[i] for i in act]
                 tree = getattr(policy, "tree", True)
@@ -203,27 +209,34 @@ class SpecDecoder:
                     batch = cache.propose(act_rids, max(1, policy.max_width - 1), tree=tree)
                     plan = policy.plan(act_rids, batch, waiting=0)
                 width, kept = int(plan.width), np.asarray(plan.lengths, np.int64)
-                if width < 1 or len(kept) != len(act) or (kept > width - 1).any() or (kept < 0).any():
-                    raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {len(act)} requests")
-                for j, i in enumerate(act):
-                    if kept[j]:
-                        d = batch.draft(j)
-                        drafts[i] = (np.asarray(d.tokens[:kept[j]]), np.asarray(d.parents[:kept[j]]))
-            rows = [tree_rows(drafts[i][0], drafts[i][1], root[i], width) for i in range(B)]
-            tok = np.stack([r[0] for r in rows])
-            depth = np.stack([r[2] for r in rows])
-            anc = np.stack([r[3] for r in rows])
+                kl = kept.tolist() if kept.ndim == 1 else None
+                if width < 1 or kl is None or len(kl) != n_act or min(kl) < 0 or max(kl) > width - 1:
+                    raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {n_act} requests")
+                if width > 1:
+                    d_tok, d_par = batch.tokens, batch.parents
+                    if n_act == B:
+                        counts[:] = kept
+                        offs = batch.offsets
+                    else:
+                        counts[act] = kept
+                        offs[act] = batch.offsets[:-1]
+            if width == 1:  # the root alone: no layout to compute
+                tok, parents, depth, anc = root[:, None].copy(), root_parent, root_depth, root_mask
+            else:
+                lay = layout_flat(d_tok, d_par, offs, counts, root, width)
+                tok, parents, depth, anc = lay.tokens, lay.parents, lay.depths, lay.mask
             L = int(length.max()) + width
             t_verify = time.perf_counter()
             predicted = self._verify(tok, depth, anc, length, L)
             t_verified = time.perf_counter()
 
-            accepted_counts = np.zeros(len(act), np.int64)
+            accepted_counts = [0] * n_act
             mv_rows, mv_src, mv_dst = [], [], []
+            finished = []
             for j, i in enumerate(act):
-                row_tokens, row_parent = rows[i][0], rows[i][1]
-                path = greedy_walk(row_tokens, row_parent, len(drafts[i][0]), predicted[i])
-                new = [int(row_tokens[r]) for r in path] + [int(predicted[i][path[-1] if path else 0])]
+                row_tokens, pred = tok[i], predicted[i]
+                path = greedy_walk(row_tokens, parents[i], int(counts[i]), pred) if counts[i] else []
+                new = [int(row_tokens[r]) for r in path] + [int(pred[path[-1] if path else 0])]
                 for depth_k, r in enumerate(path, start=1):
                     if r != depth_k:
                         mv_rows.append(i)
@@ -240,23 +253,25 @@ class SpecDecoder:
                 root[i] = new[-1]
                 done = len(outputs[i]) >= max_new_tokens or (eos_token_id is not None and new[-1] == eos_token_id)
                 if one_call and not done:
-                    fresh[i] = new
+                    fresh[i] = np.array(new, np.int32)
                 elif cache is not None:
                     cache.add_tokens(rids[i], new)
                     policy.observe_tokens(rids[i], new)
                 if done:
-                    active[i] = False
+                    finished.append(i)
                     # a finished row still rides along in the batch: park it at slot 0 so that its dummy
                     # verify block never runs past the cache, whatever its last step overshot
                     length[i] = 0
                 if progress is not None:
                     progress.update(len(new))
+            if finished:
+                act = [i for i in act if i not in finished]
             self.kv.move(mv_rows, mv_src, mv_dst)
             t_end = time.perf_counter()
             seconds = t_end - t_step
             if policy is not None:
-                policy.observe_step(len(act), width, seconds * 1e3)
-            records.append(StepRecord(width, kept.tolist(), accepted_counts.tolist(), seconds,
+                policy.observe_step(n_act, width, seconds * 1e3)
+            records.append(StepRecord(width, kl if kept is not None else [0] * n_act, accepted_counts, seconds,
                                       (t_verify - t_step) + (t_end - t_verified)))
         _sync(dev)
         decode_seconds = time.perf_counter() - t0
@@ -270,14 +285,22 @@ class SpecDecoder:
         """Greedy prediction `[B, width]` after each row of the verify block."""
         dev = self.device
         B, n = tok.shape
-        length_t = torch.as_tensor(length, device=dev)
-        offs = torch.arange(n, device=dev)
-        tokens = torch.as_tensor(tok, device=dev)
-        positions = length_t[:, None] + torch.as_tensor(depth, device=dev)
-        slots = length_t[:, None] + offs[None]
         if self.verifier.runner is not None:
             L = self.kv.max_len
-        mask = (torch.arange(L, device=dev)[None, None, :] < length_t[:, None, None]).expand(B, n, L).clone()
-        mask.scatter_(2, slots[:, None, :].expand(B, n, n), torch.as_tensor(anc, device=dev))
+        # one host-to-device copy: tokens, positions, slots [3, B, n], the ancestor masks [B, n, n], lengths [B]
+        host = np.empty(3 * B * n + B * n * n + B, np.int64)
+        ints = host[:3 * B * n].reshape(3, B, n)
+        ints[0] = tok
+        np.add(length[:, None], depth, out=ints[1])
+        np.add(length[:, None], np.arange(n), out=ints[2])
+        host[3 * B * n:-B] = anc.reshape(-1)
+        host[-B:] = length
+        dev_all = torch.from_numpy(host).to(dev)
+        tokens, positions, slots = dev_all[:3 * B * n].view(3, B, n)
+        ancestors = dev_all[3 * B * n:-B].view(B, n, n) != 0
+        if self._arange is None or self._arange.shape[0] < L:
+            self._arange = torch.arange(max(L, self.kv.max_len), device=dev)
+        mask = self._arange[:L].expand(B, n, L) < dev_all[-B:, None, None]
+        mask.scatter_(2, slots[:, None, :].expand(B, n, n), ancestors)
         logits = self.verifier.forward(tokens, positions, slots, mask)
         return logits.argmax(-1).cpu().numpy()

@@ -1,0 +1,104 @@
+"""Host time of the real-model engine's decode loop per step, with the model taken out.
+
+    .venv/bin/python -m pytest bench/test_bench_engine_host.py --benchmark-only -s
+
+`SpecDecoder.generate` runs its whole loop (drafts and plan, verify layout, greedy walk, bookkeeping, step
+records) against a stand-in verifier that returns the recorded greedy output of an MT-bench trace (Vicuna-7B,
+greedy), so every step costs only what the engine's host side costs: on a GPU that time adds to each step,
+plain decoding's included. One request at a time, the first 40 requests with at least 32 output tokens, outputs
+cut to 256 tokens; every policy in the same process, interleaved, 3 rounds; the figure is the median step.
+Skips without ../shared/traces.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ngramspec import NgramCache
+from ngramspec.cache import warm_up
+from ngramspec.sim.traces import dev_trace_paths, load_trace
+
+torch = pytest.importorskip("torch")
+from ngramspec.engine.decode import SpecDecoder  # noqa: E402
+from ngramspec.engine.policy import make_policy  # noqa: E402
+
+TRACES = {p.name.split(".")[0]: p for p in dev_trace_paths()}
+TRACE, REQUESTS, CAP, ROUNDS = "mtbench_vicuna7b", 40, 256, 3
+POLICIES = ("plain", "tree:k=8", "adaptive")
+
+pytestmark = pytest.mark.skipif(TRACE not in TRACES, reason=f"trace {TRACE} (../shared/traces) is absent")
+
+
+class _NoModel:
+    """What `SpecDecoder` needs of a `KVModel`, with no model behind it."""
+
+    def __init__(self, max_len: int):
+        self.batch, self.max_len = 1, max_len
+        self.shape = SimpleNamespace(vocab=1 << 20)
+        self.device = torch.device("cpu")
+
+    def move(self, *args) -> None:
+        pass
+
+
+class _RecordedGreedy(SpecDecoder):
+    """Predicts, after each row of a verify block, the recorded token at that row's depth."""
+
+    def __init__(self, sequence: np.ndarray):
+        super().__init__(_NoModel(len(sequence) + 20))
+        self.sequence = sequence
+
+    def _prefill(self, row, tokens) -> None:
+        pass
+
+    def _verify(self, tok, depth, anc, length, L) -> np.ndarray:
+        s = self.sequence
+        return s[np.minimum(length[:, None] + depth + 1, len(s) - 1)]
+
+
+def _run(spec: str, requests) -> tuple[list[float], int]:
+    policy = make_policy(spec)
+    cache = NgramCache() if policy else None
+    step_us, tokens = [], 0
+    for k, (prompt, output) in enumerate(requests):
+        dec = _RecordedGreedy(np.array(prompt + output, np.int64))
+        res = dec.generate([prompt], len(output), policy=policy, cache=cache, rids=[k] if policy else None)
+        assert res.outputs[0] == output, f"{spec}: request {k} does not reproduce the recorded greedy output"
+        step_us += [r.seconds * 1e6 for r in res.records]
+        tokens += len(output)
+    return step_us, tokens
+
+
+def test_engine_host_time_per_step(benchmark, capsys):
+    warm_up()
+    trace = load_trace(TRACES[TRACE])
+    requests = [(list(map(int, r.prompt)), list(map(int, r.output[:CAP]))) for r in trace.requests
+                if len(r.output) >= 32][:REQUESTS]
+    _run("adaptive", requests[:2])
+    results = {spec: [] for spec in POLICIES}
+
+    def rounds():
+        for _ in range(ROUNDS):
+            for spec in POLICIES:
+                t = time.perf_counter()
+                steps, tokens = _run(spec, requests)
+                results[spec].append((statistics.median(steps), (time.perf_counter() - t) * 1e6 / tokens,
+                                      tokens / len(steps)))
+
+    benchmark.pedantic(rounds, rounds=1, iterations=1)
+    med = {spec: [statistics.median(x[i] for x in rs) for i in range(3)] for spec, rs in results.items()}
+    for spec, (step, per_token, accept) in med.items():
+        key = spec.replace(":", "_").replace("=", "")
+        benchmark.extra_info[f"{key}_us_per_step"] = step
+        benchmark.extra_info[f"{key}_us_per_token"] = per_token
+        benchmark.extra_info[f"{key}_tokens_per_step"] = accept
+    with capsys.disabled():
+        print(f"\n{TRACE}, {len(requests)} requests, one at a time: engine host time, median of {ROUNDS} rounds")
+        print("| policy | us per step (median) | us per generated token (whole loop) | tokens per step |")
+        print("|---|---:|---:|---:|")
+        for spec, (step, per_token, accept) in med.items():
+            print(f"| {spec} | {step:.1f} | {per_token:.1f} | {accept:.2f} |")
