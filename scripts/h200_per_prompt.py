@@ -53,7 +53,7 @@ def main(path: str) -> int:
     plain = {(r["workload"], r["mode"]): per_prompt_ms(r) for r in rows if r["policy"] == "plain"}
     for r in rows:
         base = plain.get((r["workload"], r["mode"]))
-        if r["policy"] == "plain":
+        if r["policy"] == "plain" and r.get("records"):
             print(f"{r['workload']:5s} {r['mode']:5s} plain        {width1_costs(r)}")
         if r["policy"] == "plain" or base is None:
             continue
@@ -61,7 +61,8 @@ def main(path: str) -> int:
         print(f"{r['workload']:5s} {r['mode']:5s} {r['policy']:12s} overall {r['speedup']:.2f}x  per prompt "
               f"{min(x):.2f}-{max(x):.2f}x, below 0.97x: {sum(v < 0.97 for v in x)} of {len(x)}  "
               f"[{' '.join(f'{v:.2f}' for v in x)}]  identical {r['identical']}/{r['requests']}")
-        print(f"{'':25s}{width1_costs(r)}")
+        if r.get("records"):
+            print(f"{'':25s}{width1_costs(r)}")
     return 0
 
 
