@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -155,9 +156,8 @@ class KVModel:
         """Copy keys/values of (row, src slot) to (row, dst slot) in every layer (compacts an accepted tree path)."""
         if len(batch_rows) == 0:
             return
-        bi = torch.as_tensor(batch_rows, device=self.device)
-        si = torch.as_tensor(src_slots, device=self.device)
-        di = torch.as_tensor(dst_slots, device=self.device)
+        idx = torch.as_tensor(np.array([batch_rows, src_slots, dst_slots], np.int64)).to(self.device)  # one copy
+        bi, si, di = idx[0], idx[1], idx[2]
         self.keys[:, bi, :, di] = self.keys[:, bi, :, si]
         self.values[:, bi, :, di] = self.values[:, bi, :, si]
 
