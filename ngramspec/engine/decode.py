@@ -112,7 +112,7 @@ class SpecDecoder:
         self.kv = kv
         self.verifier = Verifier(kv, runner)
         self.device = kv.device
-        self._arange = None  # 0..max_len-1 on the device, for the verify masks
+        self._arange = torch.arange(kv.max_len, device=kv.device)  # for the verify masks
 
     # -- prefill --------------------------------------------------------------------------------------
     def _prefill(self, row: int, tokens: Sequence[int]) -> None:
@@ -191,7 +191,6 @@ class SpecDecoder:
         act = list(range(B))                       # rows still decoding (finished rows ride along, parked)
         counts = np.zeros(B, np.int64)             # draft nodes each row verifies this step
         row_offsets = np.zeros(B + 1, np.int64)    # where each row's draft starts in the step's flat arrays
-        no_tokens, no_parents = np.zeros(0, np.int32), np.zeros(0, np.int32)
         root_parent, root_depth = np.full((B, 1), -1, np.int64), np.zeros((B, 1), np.int64)
         root_mask = np.ones((B, 1, 1), bool)
         while act:
@@ -199,7 +198,6 @@ class SpecDecoder:
             n_act = len(act)
             counts[:] = 0
             width, kept = 1, None
-            d_tok, d_par, offs = no_tokens, no_parents, row_offsets
             if policy is not None:
                 act_rids = [rids[i] for i in act]
                 tree = getattr(policy, "tree", True)
@@ -212,18 +210,17 @@ class SpecDecoder:
                 kl = kept.tolist() if kept.ndim == 1 else None
                 if width < 1 or kl is None or len(kl) != n_act or min(kl) < 0 or max(kl) > width - 1:
                     raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {n_act} requests")
-                if width > 1:
-                    d_tok, d_par = batch.tokens, batch.parents
-                    if n_act == B:
-                        counts[:] = kept
-                        offs = batch.offsets
-                    else:
-                        counts[act] = kept
-                        offs[act] = batch.offsets[:-1]
             if width == 1:  # the root alone: no layout to compute
                 tok, parents, depth, anc = root[:, None].copy(), root_parent, root_depth, root_mask
             else:
-                lay = layout_flat(d_tok, d_par, offs, counts, root, width)
+                offs = batch.offsets
+                if n_act == B:
+                    counts[:] = kept
+                else:  # finished rows verify nothing
+                    counts[act] = kept
+                    offs = row_offsets
+                    offs[act] = batch.offsets[:-1]
+                lay = layout_flat(batch.tokens, batch.parents, offs, counts, root, width)
                 tok, parents, depth, anc = lay.tokens, lay.parents, lay.depths, lay.mask
             L = int(length.max()) + width
             t_verify = time.perf_counter()
@@ -298,8 +295,6 @@ class SpecDecoder:
         dev_all = torch.from_numpy(host).to(dev)
         tokens, positions, slots = dev_all[:3 * B * n].view(3, B, n)
         ancestors = dev_all[3 * B * n:-B].view(B, n, n) != 0
-        if self._arange is None or self._arange.shape[0] < L:
-            self._arange = torch.arange(max(L, self.kv.max_len), device=dev)
         mask = self._arange[:L].expand(B, n, L) < dev_all[-B:, None, None]
         mask.scatter_(2, slots[:, None, :].expand(B, n, n), ancestors)
         logits = self.verifier.forward(tokens, positions, slots, mask)
