@@ -13,10 +13,13 @@ first position where it differs.
         [--configs plain,ngram,adaptive,adaptive_w1] [--concurrency 1 16] [--max-new-tokens 256] \
         [--dtype float32] [--tp 1] [--extra '{"attention_backend": "triton"}'] [--warmup 1]
 
-Before any timed set, each prompt of a third set (WARM_PROMPTS) is generated once, one at a time, untimed; at
-concurrency > 1 each timed set is also preceded by --warmup untimed passes of that set at that concurrency: a run
-of a second or two otherwise pays the first-time (JIT) costs of its new prefill and batch shapes inside its
-figure. Every configuration gets the same warm-up; no timed prompt is ever generated twice by one engine.
+Before any timed set, each prompt of two other sets (WARM_PROMPTS, free text, and WARM_COPY, copy-heavy) is
+generated once, one at a time, untimed; at concurrency > 1 each timed set is also preceded by --warmup untimed
+passes of both sets at that concurrency: a run of a second or two otherwise pays the first-time (JIT) costs of its
+new prefill, batch and verify shapes inside its figure (copy-heavy traffic is what makes a drafting configuration
+verify wide at that batch size). Every configuration gets the same warm-up; no timed prompt is ever generated
+twice by one engine. Kernels that Triton still compiles during a timed set are listed per set
+(``new_triton_kernels``: new entries in TRITON_CACHE_DIR, default ~/.triton/cache).
 
 Prompts: two built-in sets, chat-formatted with the model's template: `copy` (code edits, reformatting,
 repetition: output copies much of the prompt) and `free` (open questions and creative writing).
@@ -95,6 +98,15 @@ WARM_PROMPTS = [  # untimed warm-up traffic: neither set's prompts (the n-gram c
     "Write a short motivational message for a student before an exam.",
     "Explain what a database index is and when to use one.",
 ]
+WARM_CODE = [  # copy-heavy warm-up traffic (none of the timed prompts): drafting configurations reach wide verifies
+    "def area(w, h):\n    if w < 0 or h < 0:\n        raise ValueError('negative size')\n    return w * h\n",
+    "for (let i = 0; i < rows.length; i++) {\n  if (rows[i].done) {\n    count += 1;\n  }\n}\n",
+    "The meeting is moved to Thursday at 3 pm in room 204. Please bring the quarterly figures and the draft "
+    "budget, and send your slides to Maria by Wednesday evening.",
+    "UPDATE accounts\nSET balance = balance - 50\nWHERE id = 7 AND balance >= 50;\n",
+]
+WARM_COPY = ([f"Repeat this exactly, then explain it in one sentence:\n\n{c}" for c in WARM_CODE]
+             + [f"Rewrite this with comments, keeping all of it:\n\n{c}" for c in WARM_CODE])
 COMMON = dict(attention_backend="triton", sampling_backend="pytorch", mem_fraction_static=0.5,
               log_level="warning", random_seed=0, disable_prefill_cuda_graph=True)
 CONFIGS = {
@@ -226,19 +238,33 @@ def run_one(name: str, a) -> dict:
     sets = {"copy": chat_prompts(a.model, COPY_PROMPTS)[: a.prompts_per_set],
             "free": chat_prompts(a.model, FREE_PROMPTS)[: a.prompts_per_set]}
     warm = chat_prompts(a.model, WARM_PROMPTS)[: a.prompts_per_set]
+    warm_copy = chat_prompts(a.model, WARM_COPY)[: a.prompts_per_set]
     out = {"config": name, "startup_s": round(startup, 1), "runs": {}}
     try:
-        for prompt in warm:  # untimed, one at a time: prefill shapes meet their first-time (JIT) costs here
-            engine.generate(prompt, {"temperature": 0, "max_new_tokens": 32})
+        for prompt in warm + warm_copy:  # untimed, one at a time: prefill and verify shapes meet first-time costs
+            engine.generate(prompt, {"temperature": 0, "max_new_tokens": 64})
         for conc in a.concurrency:
             for set_name, prompts in sets.items():
                 if conc > 1:  # untimed, other prompts: batch shapes meet their first-time costs here, not in the figure
                     for _ in range(a.warmup):
                         engine.generate(warm, sampling)
-                out["runs"][f"{set_name}/c{conc}"] = timed_run(engine, prompts, sampling, conc, prof, sched)
+                        engine.generate(warm_copy, sampling)
+                kernels = triton_kernels()
+                out["runs"][f"{set_name}/c{conc}"] = run = timed_run(engine, prompts, sampling, conc, prof, sched)
+                run["new_triton_kernels"] = sorted(name for _, name in triton_kernels() - kernels)
     finally:
         engine.shutdown()
     return out
+
+
+def triton_kernels() -> set:
+    """The kernels in Triton's on-disk cache (compiled by this or an earlier process), one entry per specialization."""
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    entries = set()  # (hash folder, kernel name): one per compiled specialization
+    for folder, _, files in os.walk(root):
+        entries.update((os.path.basename(folder), f[:-5]) for f in files
+                       if f.endswith(".json") and not f.startswith("__grp__"))
+    return entries
 
 
 def timed_run(engine, prompts, sampling, conc, prof, sched) -> dict:
@@ -350,6 +376,10 @@ def main() -> int:
             kinds = (r.get("profile") or {}).get("host_ms_by_kind")
             if kinds:
                 print(f"host ms per step by kind {name} {run}: {json.dumps(kinds)}")
+    for name, res in results.items():
+        for run, r in res.get("runs", {}).items():
+            if r.get("new_triton_kernels"):
+                print(f"Triton compiled during the timed set {name} {run}: {r['new_triton_kernels']}")
     for name, res in results.items():
         for run, r in res.get("runs", {}).items():
             ctl = (r.get("profile") or {}).get("controller")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -62,8 +62,7 @@ class RequestView:
         return int(self.prompt[-1])
 
 
-@dataclass(frozen=True)
-class DurationSample:
+class DurationSample(NamedTuple):
     """One verify step as measured on TP rank 0 (``after_draft``: a plain step that waited for a drafting
     step's tokens, see `DraftPlanner.record_wait`)."""
 
@@ -183,6 +182,8 @@ class DraftPlanner:
         self._steps = 0
         self._wait_ms: dict[int, float] = {}  # batch size -> what a plain step after a drafting step costs extra
         self._wait_any: float | None = None  # the same over every batch size
+        self._root_layouts: dict[int, tuple] = {}  # batch size -> `_root_rows`
+        self._widths = frozenset(config.widths)
 
     # ----------------------------------------------------------------------------------- per step
     def plan(self, views: Sequence[RequestView], waiting: int | None = None, after_draft: bool = False) -> StepPlan:
@@ -231,6 +232,11 @@ class DraftPlanner:
     def record_duration(self, width: int, batch_size: int, seconds: float, *, after_draft: bool = False) -> None:
         """A measured verify step (only kept on the timing rank; shared at the next sync step). ValueError for a
         width not in the configured widths, a batch size < 1 or a duration that is not positive and finite."""
+        if type(width) is int and type(batch_size) is int and type(seconds) is float and width in self._widths \
+                and batch_size >= 1 and 0.0 < seconds < math.inf:  # the common case, checked in one line
+            if self.is_timing_rank:
+                self._local_durations.append(DurationSample(width, batch_size, seconds, after_draft))
+            return
         if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or int(width) not in self.config.widths:
             raise ValueError(f"width must be one of {self.config.widths}, got {width!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -356,7 +362,11 @@ class DraftPlanner:
             if lengths.size and (lengths.min() < 0 or lengths.max() > width - 1 or (lengths > sizes).any()):
                 raise ValueError(f"draft lengths {lengths.tolist()} do not fit width {width} / drafts "
                                  f"{sizes.tolist()}")
-        roots = np.fromiter((v.last_token() for v in views), np.int64, len(views))
+        roots = np.array([v.last_token() for v in views], np.int64)
+        if width == 1 and self.layout is _default_layout:  # the roots alone: the rest is the same every step
+            depths, index, none = self._root_rows(len(views))
+            return StepPlan(1, lengths, float(decision.expected), str(decision.reason), roots.reshape(-1, 1),
+                            np.ones((len(views), 1, 1), np.bool_), depths, index, none, none)
         if self.layout is _default_layout:
             lay = layout_flat(batch.tokens, batch.parents, batch.offsets, lengths, roots, width)
         else:
@@ -364,6 +374,19 @@ class DraftPlanner:
             lay = self.layout(kept, roots, width)
         return StepPlan(width, lengths, float(decision.expected), str(decision.reason), lay.tokens, lay.mask,
                         lay.depths, lay.retrieve_index, lay.retrieve_next_token, lay.retrieve_next_sibling)
+
+    def _root_rows(self, B: int) -> tuple:
+        """Arrays of a width-1 step's layout of ``B`` requests (depths, retrieve index, -1s for the retrieve links),
+        the `layout_flat` convention, read-only and kept per batch size."""
+        rows = self._root_layouts.get(B)
+        if rows is None:
+            rows = (np.zeros((B, 1), np.int64), np.arange(B, dtype=np.int64)[:, None], np.full((B, 1), -1, np.int64))
+            for a in rows:
+                a.flags.writeable = False
+            if len(self._root_layouts) >= 256:
+                self._root_layouts.clear()
+            self._root_layouts[B] = rows
+        return rows
 
 
 _NO_TOKENS: list = []

@@ -6,6 +6,7 @@ import pytest
 
 from ngramspec.cache import NgramCache
 from ngramspec.controller import AdaptiveController, Plan
+from ngramspec.layout import layout_flat
 from ngramspec_sglang.config import AdaptiveConfig, resolve_config, widths_up_to
 from ngramspec_sglang.drafting import (
     DraftPlanner,
@@ -76,6 +77,17 @@ def test_width_one_is_a_root_only_step():
     assert plan.tokens.tolist() == [[1], [5]]
     assert plan.mask.tolist() == [[[True]], [[True]]]
     assert plan.drafted.tolist() == [0, 0]
+    # the same arrays the layout kernel makes for width 1, whatever the batch size; shared ones are read-only
+    p = planner(controller=FixedWidthController(1))
+    for views in ([RequestView("c", [7, 8], [])], [RequestView(k, [3, k], [4]) for k in range(5)]):
+        plan = p.plan(views)
+        lay = layout_flat(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(len(views) + 1, np.int64),
+                          np.zeros(len(views), np.int64), np.array([v.last_token() for v in views]), 1)
+        for name in ("tokens", "mask", "depths", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling"):
+            np.testing.assert_array_equal(getattr(plan, name), getattr(lay, name))
+            assert getattr(plan, name).dtype == getattr(lay, name).dtype, name
+        with pytest.raises(ValueError):
+            plan.depths[0, 0] = 1
 
 
 def test_layout_rows_hold_root_then_prefix_of_the_draft():
