@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run_config(model, prompts, batch, mode, spec, max_new, eos):
+def run_config(model, prompts, batch, mode, spec, max_new, eos, sync_moves=False):
     from ngramspec import NgramCache
     from ngramspec.engine.decode import SpecDecoder
     from ngramspec.engine.model import GraphRunner, KVModel
@@ -35,7 +35,7 @@ def run_config(model, prompts, batch, mode, spec, max_new, eos):
     runner = GraphRunner(kv) if mode == "graph" else None
     if runner is not None:
         runner.prepare(range(1, max_width + 1))
-    decoder = SpecDecoder(kv, runner)
+    decoder = SpecDecoder(kv, runner, sync_moves=sync_moves)
     cache = NgramCache() if policy else None
     outputs, steps, records = [], [], []
     decode_s = prefill_s = 0.0
@@ -48,7 +48,7 @@ def run_config(model, prompts, batch, mode, spec, max_new, eos):
         outputs += res.outputs
         steps += res.steps
         records += [{"width": r.width, "kept": r.kept, "accepted": r.accepted, "ms": r.seconds * 1e3,
-                     "host_ms": r.host_seconds * 1e3}
+                     "host_ms": r.host_seconds * 1e3, "plan_ms": r.plan_seconds * 1e3, "moved": r.moved}
                     for r in res.records]
         decode_s += res.decode_seconds
         prefill_s += res.prefill_seconds
@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per workload (<= 16)")
     parser.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens")
+    parser.add_argument("--sync-moves", action="store_true",
+                        help="a step waits for its KV moves (their time counts in that step, not the next)")
     args = parser.parse_args(argv)
 
     import torch
@@ -95,7 +97,8 @@ def main(argv=None) -> int:
     device = next(model.parameters()).device
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-            "ignore_eos": args.ignore_eos, "load_s": time.perf_counter() - t0, "policies": policies}
+            "ignore_eos": args.ignore_eos, "sync_moves": args.sync_moves, "load_s": time.perf_counter() - t0,
+            "policies": policies}
     print(json.dumps(meta), flush=True)
     eos = None if args.ignore_eos else tokenizer.eos_token_id
     texts = {"copy": copy_heavy_prompts(), "free": free_text_prompts()}
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
                 for spec in policies:
                     tag = f"{workload} b{batch} {mode} {spec}"
                     try:
-                        r = run_config(model, prompts, batch, mode, spec, args.max_new_tokens, eos)
+                        r = run_config(model, prompts, batch, mode, spec, args.max_new_tokens, eos, args.sync_moves)
                     except Exception as exc:  # keep going: one broken configuration must not lose the others
                         traceback.print_exc()
                         results.append({"workload": workload, "batch": batch, "mode": mode, "policy": spec,

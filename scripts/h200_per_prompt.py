@@ -31,21 +31,28 @@ def width1_costs(row: dict) -> str:
     recs = row.get("records")
     if not recs:
         return ""
-    after_draft, after_plain, host = [], [], []
+    after_draft, after_plain, after_move, host, plan = [], [], [], [], []
     i = 0
     for n in row["steps"]:
         prev = None
         for r in recs[i:i + n]:
             if r["width"] == 1:
                 if prev is not None:
-                    (after_draft if prev > 1 else after_plain).append(r["ms"])
+                    (after_draft if prev["width"] > 1 else after_plain).append(r["ms"])
+                    if prev.get("moved"):
+                        after_move.append(r["ms"])
                 if "host_ms" in r:
                     host.append(r["host_ms"])
-            prev = r["width"]
+                if "plan_ms" in r:
+                    plan.append(r["plan_ms"])
+            prev = r
         i += n
+    moves = (f", after a step that moved KV slots {_median(after_move):.2f} ms x{len(after_move)}"
+             if after_move else "")
+    plans = f", of it the policy's drafts and plan {_median(plan):.3f} ms" if plan else ""
     return (f"  width-1 steps: median {_median(after_draft + after_plain):.2f} ms (after a draft "
-            f"{_median(after_draft):.2f} ms x{len(after_draft)}, after width 1 {_median(after_plain):.2f} ms "
-            f"x{len(after_plain)}; host part {_median(host):.3f} ms)")
+            f"{_median(after_draft):.2f} ms x{len(after_draft)}{moves}, after width 1 {_median(after_plain):.2f} ms "
+            f"x{len(after_plain)}; host part {_median(host):.3f} ms{plans})")
 
 
 def main(path: str) -> int:

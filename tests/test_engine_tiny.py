@@ -83,14 +83,18 @@ def test_ngram_speculation_equals_plain_greedy(tiny_model, prompts, spec, batch)
         assert accepted > 0
 
 
-def test_oracle_trees_with_decoys_move_the_accepted_kv(tiny_model, prompts):
+@pytest.mark.parametrize("sync_moves", [False, True])
+def test_oracle_trees_with_decoys_move_the_accepted_kv(tiny_model, prompts, sync_moves):
     new_tokens, width = 40, 14
     truth = dict(enumerate(plain(tiny_model, prompts, new_tokens)))
-    dec = SpecDecoder(KVModel(tiny_model, batch=4, max_len=max(map(len, prompts)) + new_tokens + width))
+    dec = SpecDecoder(KVModel(tiny_model, batch=4, max_len=max(map(len, prompts)) + new_tokens + width),
+                      sync_moves=sync_moves)
     res = dec.generate(prompts, new_tokens, policy=FixedPolicy(width - 1, tree=True),
                        cache=OracleCache(truth, decoy_offset=5, depth=6, seed=0, vocab=VOCAB), rids=[0, 1, 2, 3])
     assert res.outputs == [truth[i] for i in range(4)]
     assert max(max(r.accepted) for r in res.records) >= 2   # accepted paths ran through non-first children
+    assert any(r.moved for r in res.records)  # ... so the step records count KV moves
+    assert all(0.0 <= r.plan_seconds <= r.host_seconds <= r.seconds for r in res.records)
 
 
 def test_rows_that_overshoot_and_finish_early_stay_inside_a_tight_cache(tiny_model, prompts):

@@ -41,6 +41,8 @@ class StepRecord:
     accepted: list[int]    # draft nodes accepted, per active request
     seconds: float
     host_seconds: float = 0.0   # the part of `seconds` outside the verify forward (drafts, plan, walk, moves)
+    plan_seconds: float = 0.0   # the part of `host_seconds` in the policy's drafts and plan
+    moved: int = 0              # KV slots moved to compact accepted tree paths
 
 
 @dataclass
@@ -108,9 +110,10 @@ class SpecDecoder:
     together; the `NgramCache`, if any, is the caller's and persists across calls (its shared part learns).
     """
 
-    def __init__(self, kv: KVModel, runner=None):
+    def __init__(self, kv: KVModel, runner=None, sync_moves: bool = False):
         self.kv = kv
         self.verifier = Verifier(kv, runner)
+        self.sync_moves = bool(sync_moves)  # wait for a step's KV moves inside the step (its time, not the next's)
         self.device = kv.device
         self._arange = torch.arange(kv.max_len, device=kv.device)  # for the verify masks
 
@@ -198,6 +201,7 @@ class SpecDecoder:
             n_act = len(act)
             counts[:] = 0
             width, kept = 1, None
+            t_plan = t_step
             if policy is not None:
                 act_rids = [rids[i] for i in act]
                 tree = getattr(policy, "tree", True)
@@ -206,6 +210,7 @@ class SpecDecoder:
                 else:
                     batch = cache.propose(act_rids, max(1, policy.max_width - 1), tree=tree)
                     plan = policy.plan(act_rids, batch, waiting=0)
+                t_plan = time.perf_counter()
                 width, kept = int(plan.width), np.asarray(plan.lengths, np.int64)
                 kl = kept.tolist() if kept.ndim == 1 else None
                 if width < 1 or kl is None or len(kl) != n_act or min(kl) < 0 or max(kl) > width - 1:
@@ -264,12 +269,14 @@ class SpecDecoder:
             if finished:
                 act = [i for i in act if i not in finished]
             self.kv.move(mv_rows, mv_src, mv_dst)
+            if mv_rows and self.sync_moves:
+                _sync(dev)
             t_end = time.perf_counter()
             seconds = t_end - t_step
             if policy is not None:
                 policy.observe_step(n_act, width, seconds * 1e3)
             records.append(StepRecord(width, kl if kept is not None else [0] * n_act, accepted_counts, seconds,
-                                      (t_verify - t_step) + (t_end - t_verified)))
+                                      (t_verify - t_step) + (t_end - t_verified), t_plan - t_step, len(mv_rows)))
         _sync(dev)
         decode_seconds = time.perf_counter() - t0
         if cache is not None:
