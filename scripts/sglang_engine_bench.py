@@ -251,7 +251,7 @@ def run_one(name: str, a) -> dict:
                         engine.generate(warm_copy, sampling)
                 kernels = triton_kernels()
                 out["runs"][f"{set_name}/c{conc}"] = run = timed_run(engine, prompts, sampling, conc, prof, sched)
-                run["new_triton_kernels"] = sorted(name for _, name in triton_kernels() - kernels)
+                run["new_triton_kernels"] = [triton_entry(entry) for entry in sorted(triton_kernels() - kernels)]
     finally:
         engine.shutdown()
     return out
@@ -265,6 +265,20 @@ def triton_kernels() -> set:
         entries.update((os.path.basename(folder), f[:-5]) for f in files
                        if f.endswith(".json") and not f.startswith("__grp__"))
     return entries
+
+
+def triton_entry(entry: tuple) -> str:
+    """A kernel of `triton_kernels` as its name and the specialisation Triton recorded for it (constants, and the
+    arguments it specialised on, e.g. pointer alignment), as far as its metadata says."""
+    folder, name = entry
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    try:
+        with open(os.path.join(root, folder, name + ".json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return name
+    keys = ("constants", "attrs", "signature", "specialization")
+    return f"{name} " + json.dumps({k: meta[k] for k in keys if k in meta}, default=str)[:400]
 
 
 def timed_run(engine, prompts, sampling, conc, prof, sched) -> dict:
