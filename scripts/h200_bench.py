@@ -23,45 +23,86 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run_config(model, prompts, batch, mode, spec, max_new, eos, sync_moves=False):
-    from ngramspec import NgramCache
-    from ngramspec.engine.decode import SpecDecoder
-    from ngramspec.engine.model import GraphRunner, KVModel
-    from ngramspec.engine.policy import make_policy
+class ConfigRun:
+    """One policy at one batch size and mode over a workload's prompts: its own KV cache, CUDA graphs and
+    NgramCache (kept across the run's requests). `group` decodes the next `batch` prompts; `result` sums up."""
 
-    policy = make_policy(spec)
-    max_width = policy.max_width if policy else 1
-    kv = KVModel(model, batch=batch, max_len=max(map(len, prompts)) + max_new + max_width + 1)
-    runner = GraphRunner(kv) if mode == "graph" else None
-    if runner is not None:
-        runner.prepare(range(1, max_width + 1))
-    decoder = SpecDecoder(kv, runner, sync_moves=sync_moves)
-    cache = NgramCache() if policy else None
-    outputs, steps, records = [], [], []
-    decode_s = prefill_s = 0.0
-    for start in range(0, len(prompts), batch):
-        group = prompts[start:start + batch]
-        if len(group) < batch:
-            break
-        res = decoder.generate(group, max_new, policy=policy, cache=cache,
-                               rids=list(range(start, start + batch)) if policy else None, eos_token_id=eos)
-        outputs += res.outputs
-        steps += res.steps
-        records += [{"width": r.width, "kept": r.kept, "accepted": r.accepted, "ms": r.seconds * 1e3,
-                     "host_ms": r.host_seconds * 1e3, "plan_ms": r.plan_seconds * 1e3, "moved": r.moved}
-                    for r in res.records]
-        decode_s += res.decode_seconds
-        prefill_s += res.prefill_seconds
-    tokens = sum(map(len, outputs))
-    widths = Counter(r["width"] for r in records)
-    return {
-        "outputs": outputs, "steps": steps, "tokens": tokens, "decode_s": decode_s, "prefill_s": prefill_s,
-        "tok_s": tokens / decode_s, "accept_length": tokens / max(1, sum(steps)),
-        "batch_steps": len(records), "mean_step_ms": 1e3 * decode_s / max(1, len(records)),
-        "widths": {str(w): widths[w] for w in sorted(widths)},
-        "mean_width": sum(r["width"] for r in records) / max(1, len(records)),
-        "records": records,
-    }
+    def __init__(self, model, prompts, batch, mode, spec, max_new, eos, sync_moves=False):
+        from ngramspec import NgramCache
+        from ngramspec.engine.decode import SpecDecoder
+        from ngramspec.engine.model import GraphRunner, KVModel
+        from ngramspec.engine.policy import make_policy
+
+        self.policy = make_policy(spec)
+        max_width = self.policy.max_width if self.policy else 1
+        kv = KVModel(model, batch=batch, max_len=max(map(len, prompts)) + max_new + max_width + 1)
+        runner = GraphRunner(kv) if mode == "graph" else None
+        if runner is not None:
+            runner.prepare(range(1, max_width + 1))
+        self.decoder = SpecDecoder(kv, runner, sync_moves=sync_moves)
+        self.cache = NgramCache() if self.policy else None
+        self.prompts, self.batch, self.max_new, self.eos = prompts, batch, max_new, eos
+        self.outputs, self.steps, self.records = [], [], []
+        self.decode_s = self.prefill_s = 0.0
+
+    def groups(self) -> int:
+        return len(self.prompts) // self.batch
+
+    def group(self, g: int) -> None:
+        start = g * self.batch
+        res = self.decoder.generate(self.prompts[start:start + self.batch], self.max_new, policy=self.policy,
+                                    cache=self.cache, rids=list(range(start, start + self.batch)) if self.policy
+                                    else None, eos_token_id=self.eos)
+        self.outputs += res.outputs
+        self.steps += res.steps
+        self.records += [{"width": r.width, "kept": r.kept, "accepted": r.accepted, "ms": r.seconds * 1e3,
+                          "host_ms": r.host_seconds * 1e3, "plan_ms": r.plan_seconds * 1e3, "moved": r.moved}
+                         for r in res.records]
+        self.decode_s += res.decode_seconds
+        self.prefill_s += res.prefill_seconds
+
+    def result(self) -> dict:
+        records, tokens = self.records, sum(map(len, self.outputs))
+        widths = Counter(r["width"] for r in records)
+        return {
+            "outputs": self.outputs, "steps": self.steps, "tokens": tokens, "decode_s": self.decode_s,
+            "prefill_s": self.prefill_s, "tok_s": tokens / self.decode_s,
+            "accept_length": tokens / max(1, sum(self.steps)), "batch_steps": len(records),
+            "mean_step_ms": 1e3 * self.decode_s / max(1, len(records)),
+            "widths": {str(w): widths[w] for w in sorted(widths)},
+            "mean_width": sum(r["width"] for r in records) / max(1, len(records)),
+            "records": records,
+        }
+
+
+def run_config(model, prompts, batch, mode, spec, max_new, eos, sync_moves=False):
+    run = ConfigRun(model, prompts, batch, mode, spec, max_new, eos, sync_moves)
+    for g in range(run.groups()):
+        run.group(g)
+    return run.result()
+
+
+def run_interleaved(model, prompts, batch, mode, specs, max_new, eos, sync_moves=False) -> dict:
+    """Every policy of ``specs`` on the same prompts, group by group in turn (plain's group 0, then each other
+    policy's group 0, then group 1, ...): a drift of the machine's speed during the run hits every policy alike,
+    so per-prompt ratios compare steps taken seconds apart, not minutes. Returns {spec: result or exception}."""
+    runs, out = {}, {}
+    for spec in specs:
+        try:
+            runs[spec] = ConfigRun(model, prompts, batch, mode, spec, max_new, eos, sync_moves)
+        except Exception as exc:  # keep going: one broken configuration must not lose the others
+            traceback.print_exc()
+            out[spec] = exc
+    for g in range(len(prompts) // batch):
+        for spec, run in list(runs.items()):
+            try:
+                run.group(g)
+            except Exception as exc:
+                traceback.print_exc()
+                out[spec] = exc
+                del runs[spec]
+    out.update({spec: run.result() for spec, run in runs.items()})
+    return {spec: out[spec] for spec in specs}
 
 
 def main(argv=None) -> int:
@@ -77,6 +118,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=16, help="prompts per workload (<= 16)")
     parser.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the policies group by group in turn (plain's first prompt, each policy's first "
+                             "prompt, then the second...), not one policy after the other")
     parser.add_argument("--sync-moves", action="store_true",
                         help="a step waits for its KV moves (their time counts in that step, not the next)")
     args = parser.parse_args(argv)
@@ -97,7 +141,8 @@ def main(argv=None) -> int:
     device = next(model.parameters()).device
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-            "ignore_eos": args.ignore_eos, "sync_moves": args.sync_moves, "load_s": time.perf_counter() - t0,
+            "ignore_eos": args.ignore_eos, "sync_moves": args.sync_moves, "interleave": args.interleave,
+            "load_s": time.perf_counter() - t0,
             "policies": policies}
     print(json.dumps(meta), flush=True)
     eos = None if args.ignore_eos else tokenizer.eos_token_id
@@ -113,10 +158,15 @@ def main(argv=None) -> int:
         for batch in [int(b) for b in args.batches.split(",")]:
             for mode in modes:
                 plain = None
+                together = run_interleaved(model, prompts, batch, mode, policies, args.max_new_tokens, eos,
+                                           args.sync_moves) if args.interleave else {}
                 for spec in policies:
                     tag = f"{workload} b{batch} {mode} {spec}"
                     try:
-                        r = run_config(model, prompts, batch, mode, spec, args.max_new_tokens, eos, args.sync_moves)
+                        r = together[spec] if args.interleave else \
+                            run_config(model, prompts, batch, mode, spec, args.max_new_tokens, eos, args.sync_moves)
+                        if isinstance(r, Exception):
+                            raise r
                     except Exception as exc:  # keep going: one broken configuration must not lose the others
                         traceback.print_exc()
                         results.append({"workload": workload, "batch": batch, "mode": mode, "policy": spec,

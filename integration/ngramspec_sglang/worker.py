@@ -232,6 +232,13 @@ class NgramAdaptiveWorker(NGRAMWorker):
                         end_offset=zeros + w, batch_size=bs, draft_token_num=w, device=dev)
                     fill_front_out_cache_loc_func(torch.ones(bs, dtype=torch.int32, device=dev), locs,
                                                   torch.zeros(bs * w, **long))
+                # Triton also specialises each pointer on 16-byte alignment: a batch's request indices or lengths
+                # can be views that start 8 bytes into a buffer
+                odd = torch.zeros(bs + 1, **long)[1:]
+                for indices, starts in ((odd, zeros), (zeros, odd), (odd, odd)):
+                    assign_extend_cache_locs_func(
+                        req_pool_indices=indices, req_to_token=req_to_token, start_offset=starts,
+                        end_offset=zeros + 1, batch_size=bs, draft_token_num=1, device=dev)
             for size in sizes:  # accepted-token moves are specialised on the window's power of two
                 fill_accept_out_cache_loc_func(torch.full((size,), -1, dtype=torch.int32, device=dev),
                                                torch.zeros(size, **long), torch.zeros(size, **long), size)
