@@ -166,6 +166,7 @@ class NgramCache:
         self._free_slots = list(range(R - 1, -1, -1))
         self._out = None  # reused output buffers of _propose_slots, grown on demand
         self._out_views: dict[tuple[int, int], tuple] = {}  # views of them per (batch size, budget)
+        self._out_batches: dict[tuple[int, int], DraftBatch] = {}  # DraftBatches of them per (batch size, nodes)
         self._own_state = _draft.OwnState(self._l_nodes, self._l_table, self._l_meta, self._roots, self._hlens,
                                           self._active, self._match, self._since, self._epoch_seen)
         self._shared_state = _draft.SharedState(self._s_nodes, self._s_table, self._s_root, self._arena)
@@ -410,11 +411,24 @@ class NgramCache:
                 out = self._out = (np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.float32),
                                    np.empty(n, np.int8), np.empty(m, np.int64), np.empty(m, np.int64))
                 self._out_views = {}
+                self._out_batches = {}
             if len(self._out_views) >= 256:
                 self._out_views.clear()
             views = self._out_views[B, budget] = (*out[:4], out[4][: B + 1], out[5][:B],
                                                   self._uniform_budgets(budget, B))
         return views
+
+    def _batch_view(self, B: int, n: int) -> DraftBatch:
+        """The `DraftBatch` of the last proposal into the reused buffers (``B`` requests, ``n`` nodes): views of
+        them, one object per (B, n), kept until the buffers are replaced."""
+        b = self._out_batches.get((B, n))
+        if b is None:
+            out = self._out
+            if len(self._out_batches) >= 4096:
+                self._out_batches.clear()
+            b = self._out_batches[B, n] = _draft_batch(out[0][:n], out[1][:n], out[2][:n], out[3][:n],
+                                                       out[4][:B + 1], out[5][:B])
+        return b
 
     def _propose_slots(self, slots: np.ndarray, budget: int, tree: bool) -> DraftBatch:
         """``propose`` for validated, distinct slots and one budget, into reused output buffers: the returned
@@ -423,7 +437,7 @@ class NgramCache:
         n = self._propose_kernel(_fix(slots, _I64), bud, bool(tree), self.max_depth, self.use_shared,
                                  int(self._ring[_shared.S_EPOCH]), self._own_state, self._hists, self._shared_state,
                                  o_tok, o_par, o_prob, o_src, offsets, mlens)
-        return _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
+        return self._batch_view(slots.shape[0], n)
 
 
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)

@@ -100,6 +100,13 @@ def test_step_takes_the_decisions_of_the_verbs_one_by_one(batch, waiting, kind):
         assert log == other_log
         assert ctl.decisions() == other_ctl.decisions()
         assert np.array_equal(ctl.calibration.trials, other_ctl.calibration.trials)
+        # the step durations reach the cost model inside `step`'s kernel call, through `plan` after a flush:
+        # the same cost state, sample clock and counters either way
+        mine, theirs = ctl.state_dict(), other_ctl.state_dict()
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert np.array_equal(mine[key], theirs[key], equal_nan=mine[key].dtype.kind == "f"), key
+    assert ctl._n_steps == len(log) and ctl.costs.clock == len(log)
 
 
 def test_the_decision_trace_keeps_the_last_trace_len_steps_in_order():
@@ -304,3 +311,26 @@ def test_a_switch_cost_makes_drafting_dearer_for_that_step_only():
                 ctl.plan([0], cache.propose([0], 15), waiting=0, switch_cost=bad)
             assert ctl.decisions() == before
     assert plans[0.0][0] > 1 and plans[1e6][0] == 1 and plans[1e6][1] > 1
+
+
+def test_a_step_duration_is_in_the_cost_model_as_soon_as_it_is_read():
+    """`observe_step` keeps a duration for the next step's kernel call; whoever reads `costs` first sees it."""
+    cache, ctl = _ready()
+    direct = AdaptiveController((1, 2, 4, 8)).costs
+    direct._ensure(2)
+    for width, ms in ((1, 3.0), (4, 9.0), (1, 5.0)):
+        ctl.observe_step(2, width, ms)
+        direct.observe(2, width, ms)
+        assert ctl.costs.clock == direct.clock
+        assert ctl.costs.estimate(2, 4) == direct.estimate(2, 4)
+    ctl.observe_step(2, 8, 20.0)  # kept, then taken by the step's kernel call
+    b, p = ctl.step(cache, ["a", "b"], [[3], [3]])
+    direct.observe(2, 8, 20.0)
+    assert ctl.costs.clock == direct.clock
+    for mine, theirs in zip(ctl.costs.state, direct.state):
+        assert np.array_equal(mine, theirs, equal_nan=mine.dtype.kind == "f")
+    before = ctl.costs.clock
+    for bad in ((0, 1, 1.0), (2, 3, 1.0), (2, 1, float("nan")), (2, 1, -1.0), (2, 1, "1")):
+        with pytest.raises(ValueError):
+            ctl.observe_step(*bad)
+    assert ctl.costs.clock == before

@@ -67,7 +67,7 @@ from numba.experimental import structref
 
 from ngramspec import _shared
 from ngramspec._draft import append_batch, propose_batch
-from ngramspec.cache import _I32, MAX_TOKEN, DraftBatch, _Direct, _draft_batch, as_tokens
+from ngramspec.cache import _I32, MAX_TOKEN, DraftBatch, _Direct, as_tokens
 from ngramspec.controller.calibration import (
     Calibration,
     Pending,
@@ -77,11 +77,19 @@ from ngramspec.controller.calibration import (
     pend_room,
     shadow_evaluate,
 )
-from ngramspec.controller.cost import CostModel, CostRow, _cost_row_all, default_prior, prior_from_calibration
+from ngramspec.controller.cost import (
+    CostModel,
+    CostRow,
+    _cost_observe,
+    _cost_row_all,
+    default_prior,
+    prior_from_calibration,
+)
 from ngramspec.controller.protocol import _INT_TYPES, DEFAULT_WIDTHS, Plan, _new_plan, check_waiting, check_widths
 
 _REASONS = ("best", "no-draft", "explore", "re-measure")
 REMEASURE_RATIO = 1.5  # a stale width is re-measured only if its estimate is this far above what the others imply
+C_STEPS, C_EXPLORED, C_REMEASURED, C_TRACED, C_STEP = range(5)  # the controller's counters, by index
 
 
 class Scratch(NamedTuple):
@@ -244,26 +252,61 @@ def _new_step_state(own, hists, shared, pend, cal, prior_mean, widths, cstate, r
 
 
 @njit(cache=True)
-def _host_step(cslots, toks, offs, append, max_depth, st, budgets, tree, use_shared, epoch, o_tok, o_par, o_prob,
-               o_src, offsets, mlens, slots, alpha, strength, clock, stale_after, draining, min_gain, may_explore,
-               may_remeasure, optimism, lengths, tpos, step_no, switch):
+def _count_decision(ctr, why):
+    """Count a decided step in the counters ``ctr`` (see `AdaptiveController._ctr`)."""
+    ctr[C_STEPS] += 1
+    if why == 2:
+        ctr[C_EXPLORED] += 1
+    elif why == 3:
+        ctr[C_REMEASURED] += 1
+    ctr[C_STEP] += 1
+    ctr[C_TRACED] += 1
+
+
+@njit(cache=True)
+def _host_step(cslots, toks, offs, append, max_depth, st, budgets, tree, use_shared, ring, o_tok, o_par, o_prob,
+               o_src, offsets, mlens, slots, alpha, strength, stale_after, draining, min_gain, optimism, lengths,
+               switch, ctr, explore_min, explore_frac, trace_len, clock, obs_batch, obs_wi, obs_ms, cost_alpha,
+               cost_clip):
     """`AdaptiveController.step` in one call, on the state bundles of ``st`` (`StepState`): with ``append``, the
     committed tokens go to the cache (its ``append_batch``: on a negative token or a history without room it
-    changes nothing and this returns its code), then the cache proposes (its ``propose_batch`` into its output
-    buffers), then `_ctl_step`. Returns (append code, nodes proposed, then `_ctl_step`'s six values); a width
-    index of -1: the pending pools lack room (the cache's part is done, the controller's is not)."""
+    changes nothing and this returns its code); then a step duration reported since the last step (``obs_batch``
+    > 0: batch size, width index, ms) goes to the cost model at sample ``clock``; then the cache proposes (its
+    ``propose_batch`` into its output buffers, at the shared cache's epoch in ``ring``), then `_ctl_step`, which
+    may explore / re-measure as the counters ``ctr`` allow, and the decision is counted there. Returns (append
+    code, nodes proposed, then `_ctl_step`'s six values); a width index of -1: the pending pools lack room (the
+    cache's and the cost model's parts are done, the controller's is not, nothing is counted)."""
     own, hists = st.own, st.hists
     if append:
         code = append_batch(cslots, toks, offs, max_depth, own, hists)
         if code != 0:
             return code, 0, -1, -1, 0, 0, 0.0, 0.0
-    n = propose_batch(cslots, budgets, tree, max_depth, use_shared, epoch, own, hists, st.shared, o_tok, o_par, o_prob,
-                      o_src, offsets, mlens)
+    if obs_batch > 0:
+        _cost_observe(st.cstate, obs_batch, obs_wi, obs_ms, cost_alpha, cost_clip, clock, stale_after)
+    n = propose_batch(cslots, budgets, tree, max_depth, use_shared, ring[_S_EPOCH], own, hists, st.shared, o_tok,
+                      o_par, o_prob, o_src, offsets, mlens)
+    n1 = ctr[C_STEPS] + 1
+    may_explore = ctr[C_EXPLORED] < explore_min + explore_frac * n1
+    may_remeasure = stale_after > 0 and ctr[C_REMEASURED] * stale_after < n1
+    tpos = ctr[C_TRACED] % trace_len if trace_len > 0 else -1
     wi, why, need_d, need_n, expected, cost = _ctl_step(
         slots, toks, offs, o_par[:n], o_prob[:n], o_src[:n], o_tok[:n], offsets, mlens, st.pend, alpha, st.cal,
         st.prior_mean, strength, st.widths, st.cstate, clock, stale_after, st.row, st.tmp, draining, min_gain,
-        may_explore, may_remeasure, optimism, st.sc, lengths, st.trace, tpos, step_no, switch)
+        may_explore, may_remeasure, optimism, st.sc, lengths, st.trace, tpos, ctr[C_STEP] + 1, switch)
+    if wi >= 0:
+        _count_decision(ctr, why)
     return 0, n, wi, why, need_d, need_n, expected, cost
+
+
+def _counter(i: int, doc: str) -> property:
+    """A Python int view of counter ``i`` of `AdaptiveController._ctr`."""
+    def get(self) -> int:
+        return int(self._ctr[i])
+
+    def put(self, value: int) -> None:
+        self._ctr[i] = value
+
+    return property(get, put, doc=doc)
 
 
 class AdaptiveController:
@@ -286,6 +329,12 @@ class AdaptiveController:
     success, see ``calibration``).
     """
 
+    _n_steps = _counter(C_STEPS, "steps decided")
+    _n_explored = _counter(C_EXPLORED, "steps that explored an unmeasured width")
+    _n_remeasured = _counter(C_REMEASURED, "steps that re-measured a stale width")
+    _n_traced = _counter(C_TRACED, "decisions written to the trace ring")
+    _step = _counter(C_STEP, "the step number of the last decision")
+
     def __init__(self, widths: Sequence[int] = DEFAULT_WIDTHS, prior=None, explore_frac: float = 0.002,
                  explore_min: int = 1, explore_optimism: float = 0.7,
                  prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
@@ -300,7 +349,8 @@ class AdaptiveController:
         self.max_width = widths[-1]
         if isinstance(prior, str):
             prior = prior_from_calibration(prior)
-        self.costs = CostModel(prior or default_prior, widths=widths, clip=cost_clip, stale_after=stale_after)
+        self._costs = CostModel(prior or default_prior, widths=widths, clip=cost_clip, stale_after=stale_after)
+        self._obs = None  # a step duration not yet given to the cost model: (batch, width, width index, ms)
         self.stale_after = stale_after
         self.explore_frac = float(explore_frac)
         self.explore_min = int(explore_min)
@@ -345,11 +395,9 @@ class AdaptiveController:
             raise ValueError(f"trace_len must be >= 0, got {trace_len!r}")
         N = max(1, self._trace_len)
         self._trace = Trace(np.zeros((N, 4), np.int64), np.zeros((N, 2)), np.zeros((N, W)))
-        self._n_traced = 0
-        self._n_steps = 0
-        self._n_explored = 0
-        self._n_remeasured = 0
-        self._step = 0
+        # the counters (decided steps, explored, re-measured, traced, step number), an array the step kernel updates
+        self._ctr = np.zeros(5, np.int64)
+        self._budget = max(1, self.max_width - 1)
 
     # --------------------------------------------------------------------------------------- requests
     def start(self, rid: Hashable) -> None:
@@ -572,8 +620,31 @@ class AdaptiveController:
     def observe_step(self, batch: int, width: int, duration_ms: float) -> None:
         """The measured duration of a step of ``batch`` requests verified at ``width`` (one of ``widths``).
         ValueError, and nothing changes, for a batch size < 1, an unknown width or a duration that is not a
-        positive finite number."""
-        self.costs.observe(batch, width, duration_ms)
+        positive finite number. (The cost model takes it at the next ``step``, inside its kernel call, or
+        when anything reads ``costs`` first: the same state either way.)"""
+        costs = self._costs
+        if self._obs is None and type(batch) is int and type(duration_ms) is float and 0 < batch < costs._prior_rows \
+                and 0.0 < duration_ms < math.inf:  # the common case, checked in one line: kept for the next step
+            wi = costs._wi.get(width) if type(width) is int else None
+            if wi is not None and costs.state.nblist[wi] < costs.state.blist.shape[1]:
+                self._obs = (batch, width, wi, duration_ms)
+                return
+        if self._obs is not None:
+            self._flush_obs()
+        costs.observe(batch, width, duration_ms)
+
+    def _flush_obs(self) -> None:
+        """Give the cost model the step duration `observe_step` kept."""
+        batch, width, _, ms = self._obs
+        self._obs = None
+        self._costs.observe(batch, width, ms)
+
+    @property
+    def costs(self) -> CostModel:
+        """The cost model c(B, n), up to date with every reported step duration."""
+        if self._obs is not None:
+            self._flush_obs()
+        return self._costs
 
     # ----------------------------------------------------------------------------------- whole step
     def step(self, cache, rids: Sequence[Hashable], committed: Sequence | None = None, waiting: int | None = None,
@@ -605,12 +676,12 @@ class AdaptiveController:
         """The `StepState` of ``cache`` and this controller, rebuilt when a part was replaced since the last step
         (the pending pools, the cost tables or the scratch grown, the state loaded, another cache)."""
         st, p = self._st, self._st_parts
-        if st is None or p[0] is not cache._own_state or p[1] is not self._pend or p[2] is not self.costs.state \
+        if st is None or p[0] is not cache._own_state or p[1] is not self._pend or p[2] is not self._costs.state \
                 or p[3] is not self._sc or p[4] is not self.calibration:
             st = self._st = _new_step_state(cache._own_state, cache._hists, cache._shared_state, self._pend,
-                                            self.calibration, self.prior_mean, self._widths, self.costs.state,
+                                            self.calibration, self.prior_mean, self._widths, self._costs.state,
                                             self._row, self._row_tmp, self._sc, self._trace)
-            self._st_parts = (cache._own_state, self._pend, self.costs.state, self._sc, self.calibration)
+            self._st_parts = (cache._own_state, self._pend, self._costs.state, self._sc, self.calibration)
             kind = typeof(st, Purpose.argument)
             if self._st_kind is None:
                 self._st_kind = kind
@@ -653,24 +724,28 @@ class AdaptiveController:
                 toks, offs = self._flatten(committed, rids, negatives_ok=True)
             if not toks.shape[0]:
                 toks, offs = _NO_TOKENS, _NO_OFFSETS
-        budget = max(1, self.max_width - 1)
+        budget = self._budget
         o_tok, o_par, o_prob, o_src, offsets, mlens, bud = cache._propose_buffers(B, budget)
         sc = self._sc
         if B * budget > sc.cells.shape[0] or B > sc.G.shape[0]:
             self._scratch(B, B * budget)
-        costs = self.costs
+        costs = self._costs
         if B >= costs._prior_rows:
             costs._ensure(B)
-        may_explore, may_remeasure = self._may()
-        draining = waiting == 0 and B > 1
+        obs = self._obs
+        if obs is None:
+            clock, obs_batch, obs_wi, obs_ms = costs.clock, 0, 0, 0.0
+        else:
+            clock, (obs_batch, _, obs_wi, obs_ms) = costs.clock + 1, obs
         lengths = np.empty(B, np.int64)
         append = toks.shape[0] > 0
         while True:
             code, n, wi, why, need_d, need_n, expected, cost = self._host_direct(
                 cslots, toks, offs, append, cache.max_depth, self._step_state(cache), bud, bool(tree),
-                cache.use_shared, int(cache._ring[_S_EPOCH]), o_tok, o_par, o_prob, o_src, offsets, mlens, slots,
-                self.request_alpha, self.prior_strength, costs.clock, costs.stale_after, draining, self.min_gain,
-                may_explore, may_remeasure, self.explore_optimism, lengths, self._tpos(), self._step + 1, switch)
+                cache.use_shared, cache._ring, o_tok, o_par, o_prob, o_src, offsets, mlens, slots,
+                self.request_alpha, self.prior_strength, costs.stale_after, waiting == 0 and B > 1, self.min_gain,
+                self.explore_optimism, lengths, switch, self._ctr, self.explore_min, self.explore_frac,
+                self._trace_len, clock, obs_batch, obs_wi, obs_ms, costs.alpha, costs.clip)
             if code == 0:
                 break
             if code < 0:  # a negative token id: nothing changed; the full validation names the request
@@ -679,12 +754,19 @@ class AdaptiveController:
                                  f"[0, {MAX_TOKEN + 1})")
             cache._append(cslots, toks, offs)  # a history lacks room: the cache grows it and appends
             append = False
-        batch = _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
+        if obs is not None:  # the kernel gave the cost model the kept duration
+            self._obs = None
+            costs.clock = clock
+            costs._rows.clear()
+        batch = cache._batch_view(B, n)
         if wi < 0:  # the cache's part is done; the controller's waits for room in its pending pools
             self._pend = self._pend.grow_pool(need_d, need_n)
-            wi, why, expected, cost = self._ctl_step(self._step_direct, slots, batch, toks, offs, draining,
-                                                     may_explore, may_remeasure, lengths, switch)
-        return batch, self._decided(wi, why, lengths, expected, cost)
+            may_explore, may_remeasure = self._may()
+            wi, why, expected, cost = self._ctl_step(self._step_direct, slots, batch, toks, offs,
+                                                     waiting == 0 and B > 1, may_explore, may_remeasure, lengths,
+                                                     switch)
+            return batch, self._decided(wi, why, lengths, expected, cost)
+        return batch, _new_plan(self.widths[wi], lengths, expected, cost, _REASONS[why])
 
     # ----------------------------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, np.ndarray]:

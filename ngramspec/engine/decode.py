@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ngramspec.controller import Controller, FixedBudgetController
+from ngramspec.controller import AdaptiveController, Controller, FixedBudgetController
 from ngramspec.layout import greedy_walk, layout_flat
 
 from .model import KVModel
@@ -184,6 +184,10 @@ class SpecDecoder:
         # a controller with the one-call `step` (AdaptiveController) takes each row's tokens of the last step
         # with the next step's drafts and plan; a row's last tokens go to the cache when it finishes
         one_call = policy is not None and callable(getattr(policy, "step", None))
+        # the controller's own step and plan make plans that fit their drafts by construction (not a subclass's)
+        trusted = one_call and getattr(type(policy), "step", None) is AdaptiveController.step \
+            and getattr(type(policy), "plan", None) is AdaptiveController.plan
+        tree = getattr(policy, "tree", True)
         fresh: list[np.ndarray] = [np.zeros(0, np.int32) for _ in range(B)]
         if cache is not None:
             for rid, p in zip(rids, prompts):
@@ -196,6 +200,7 @@ class SpecDecoder:
         row_offsets = np.zeros(B + 1, np.int64)    # where each row's draft starts in the step's flat arrays
         root_parent, root_depth = np.full((B, 1), -1, np.int64), np.zeros((B, 1), np.int64)
         root_mask = np.ones((B, 1, 1), bool)
+        act_rids = [rids[i] for i in act]
         while act:
             t_step = time.perf_counter()
             n_act = len(act)
@@ -203,18 +208,19 @@ class SpecDecoder:
             width, kept = 1, None
             t_plan = t_step
             if policy is not None:
-                act_rids = [rids[i] for i in act]
-                tree = getattr(policy, "tree", True)
                 if one_call:  # a fixed set of prompts: none queue
                     batch, plan = policy.step(cache, act_rids, [fresh[i] for i in act], waiting=0, tree=tree)
                 else:
                     batch = cache.propose(act_rids, max(1, policy.max_width - 1), tree=tree)
                     plan = policy.plan(act_rids, batch, waiting=0)
                 t_plan = time.perf_counter()
-                width, kept = int(plan.width), np.asarray(plan.lengths, np.int64)
-                kl = kept.tolist() if kept.ndim == 1 else None
-                if width < 1 or kl is None or len(kl) != n_act or min(kl) < 0 or max(kl) > width - 1:
-                    raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {n_act} requests")
+                width, kept = plan.width, plan.lengths
+                kl = kept.tolist()
+                if not trusted:
+                    width, kept = int(width), np.asarray(kept, np.int64)
+                    kl = kept.tolist() if kept.ndim == 1 else None
+                    if width < 1 or kl is None or len(kl) != n_act or min(kl) < 0 or max(kl) > width - 1:
+                        raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {n_act} requests")
             if width == 1:  # the root alone: no layout to compute
                 tok, parents, depth, anc = root[:, None].copy(), root_parent, root_depth, root_mask
             else:
@@ -268,6 +274,7 @@ class SpecDecoder:
                     progress.update(len(new))
             if finished:
                 act = [i for i in act if i not in finished]
+                act_rids = [rids[i] for i in act]
             self.kv.move(mv_rows, mv_src, mv_dst)
             if mv_rows and self.sync_moves:
                 _sync(dev)
