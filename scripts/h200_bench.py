@@ -27,7 +27,7 @@ class ConfigRun:
     """One policy at one batch size and mode over a workload's prompts: its own KV cache, CUDA graphs and
     NgramCache (kept across the run's requests). `group` decodes the next `batch` prompts; `result` sums up."""
 
-    def __init__(self, model, prompts, batch, mode, spec, max_new, eos, sync_moves=False):
+    def __init__(self, model, prompts, batch, mode, spec, max_new, eos, sync_moves=False, kv_width=1):
         from ngramspec import NgramCache
         from ngramspec.engine.decode import SpecDecoder
         from ngramspec.engine.model import GraphRunner, KVModel
@@ -35,7 +35,10 @@ class ConfigRun:
 
         self.policy = make_policy(spec)
         max_width = self.policy.max_width if self.policy else 1
-        kv = KVModel(model, batch=batch, max_len=max(map(len, prompts)) + max_new + max_width + 1)
+        # every policy of a run gets the same KV capacity (room for the widest policy's verify): graph-mode
+        # attention spans the whole buffer, so a shorter buffer would make plain decoding's steps cheaper for
+        # a reason no serving engine has
+        kv = KVModel(model, batch=batch, max_len=max(map(len, prompts)) + max_new + max(max_width, kv_width) + 1)
         runner = GraphRunner(kv) if mode == "graph" else None
         if runner is not None:
             runner.prepare(range(1, max_width + 1))
@@ -75,21 +78,21 @@ class ConfigRun:
         }
 
 
-def run_config(model, prompts, batch, mode, spec, max_new, eos, sync_moves=False):
-    run = ConfigRun(model, prompts, batch, mode, spec, max_new, eos, sync_moves)
+def run_config(model, prompts, batch, mode, spec, max_new, eos, sync_moves=False, kv_width=1):
+    run = ConfigRun(model, prompts, batch, mode, spec, max_new, eos, sync_moves, kv_width)
     for g in range(run.groups()):
         run.group(g)
     return run.result()
 
 
-def run_interleaved(model, prompts, batch, mode, specs, max_new, eos, sync_moves=False) -> dict:
+def run_interleaved(model, prompts, batch, mode, specs, max_new, eos, sync_moves=False, kv_width=1) -> dict:
     """Every policy of ``specs`` on the same prompts, group by group in turn (plain's group 0, then each other
     policy's group 0, then group 1, ...): a drift of the machine's speed during the run hits every policy alike,
     so per-prompt ratios compare steps taken seconds apart, not minutes. Returns {spec: result or exception}."""
     runs, out = {}, {}
     for spec in specs:
         try:
-            runs[spec] = ConfigRun(model, prompts, batch, mode, spec, max_new, eos, sync_moves)
+            runs[spec] = ConfigRun(model, prompts, batch, mode, spec, max_new, eos, sync_moves, kv_width)
         except Exception as exc:  # keep going: one broken configuration must not lose the others
             traceback.print_exc()
             out[spec] = exc
@@ -128,6 +131,7 @@ def main(argv=None) -> int:
     import torch
 
     from ngramspec.engine.model import load_model
+    from ngramspec.engine.policy import make_policy
     from ngramspec.engine.prompts import chat_tokens, copy_heavy_prompts, free_text_prompts
     from ngramspec.engine.trace import write_trace
 
@@ -136,12 +140,14 @@ def main(argv=None) -> int:
     policies = [p for p in args.policies.split(",") if p]
     if policies[0] != "plain":
         raise SystemExit("the first policy must be 'plain' (the reference for identity and speedup)")
+    kv_width = max(getattr(make_policy(p), "max_width", 1) for p in policies)  # the KV capacity every policy gets
     t0 = time.perf_counter()
     model, tokenizer = load_model(args.gguf, args.device, getattr(torch, args.dtype))
     device = next(model.parameters()).device
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "ignore_eos": args.ignore_eos, "sync_moves": args.sync_moves, "interleave": args.interleave,
+            "kv_width": kv_width,
             "load_s": time.perf_counter() - t0,
             "policies": policies}
     print(json.dumps(meta), flush=True)
@@ -159,12 +165,13 @@ def main(argv=None) -> int:
             for mode in modes:
                 plain = None
                 together = run_interleaved(model, prompts, batch, mode, policies, args.max_new_tokens, eos,
-                                           args.sync_moves) if args.interleave else {}
+                                           args.sync_moves, kv_width) if args.interleave else {}
                 for spec in policies:
                     tag = f"{workload} b{batch} {mode} {spec}"
                     try:
                         r = together[spec] if args.interleave else \
-                            run_config(model, prompts, batch, mode, spec, args.max_new_tokens, eos, args.sync_moves)
+                            run_config(model, prompts, batch, mode, spec, args.max_new_tokens, eos, args.sync_moves,
+                                       kv_width)
                         if isinstance(r, Exception):
                             raise r
                     except Exception as exc:  # keep going: one broken configuration must not lose the others

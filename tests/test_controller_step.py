@@ -35,7 +35,7 @@ def _verbwise(ctl, cache, rids, committed, waiting):
     return batch, ctl.plan(rids, batch, waiting=waiting)
 
 
-def _replay(mode, batch, steps=160, waiting_of=lambda n: n, trace_len=1000, commit_kind="array"):
+def _replay(mode, batch, steps=160, waiting_of=lambda n: n, trace_len=1000, commit_kind="array", prefetch=False):
     """Replay synthetic requests with one way of stepping; the log of (drafts, plan) per step and the
     controller."""
     recs = _records(batch, 3 * batch + 2)
@@ -85,6 +85,8 @@ def _replay(mode, batch, steps=160, waiting_of=lambda n: n, trace_len=1000, comm
             committed.pop(rid, None)
             cache.finish_request(rid)
             ctl.finish(rid)
+        if prefetch and active:  # as the engine does while the device runs the forward
+            ctl.prefetch(cache, list(active))
     return log, ctl
 
 
@@ -334,3 +336,26 @@ def test_a_step_duration_is_in_the_cost_model_as_soon_as_it_is_read():
         with pytest.raises(ValueError):
             ctl.observe_step(*bad)
     assert ctl.costs.clock == before
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_prefetch_changes_no_decision(batch):
+    """`prefetch` between steps (the engine calls it while the device works) leaves every draft, plan, count and
+    cost the same."""
+    log, ctl = _replay("step", batch)
+    log_p, ctl_p = _replay("step", batch, prefetch=True)
+    assert log == log_p and len({e[0] for e in log}) > 1
+    assert ctl.decisions() == ctl_p.decisions()
+    mine, theirs = ctl.state_dict(), ctl_p.state_dict()
+    for key in mine:
+        assert np.array_equal(mine[key], theirs[key], equal_nan=mine[key].dtype.kind == "f"), key
+    assert np.array_equal(ctl._pend.nd, ctl_p._pend.nd) and np.array_equal(ctl._pend.tok, ctl_p._pend.tok)
+
+
+def test_prefetch_ignores_what_it_cannot_warm():
+    cache, ctl = _ready()
+    before = _state(cache, ctl)
+    for rids in (["a", "x"], ("a", "b"), [], ["a", "a"], "ab", None):
+        ctl.prefetch(cache, rids)
+    ctl.prefetch(cache, ["a", "b"])
+    assert _same(_state(cache, ctl), before)

@@ -179,12 +179,12 @@ class Trace(NamedTuple):
 @njit(cache=True)
 def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal, prior_mean,
               strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain, may_explore, may_remeasure,
-              optimism, sc, lengths, trace, tpos, step_no, switch):
+              optimism, sc, lengths, trace, tpos, step_no, switch, queue=True):
     """The controller's whole step: shadow-evaluate the pending drafts against the tokens committed since the
     last step (``toks``/``offs``, one slice per request; ``offs`` of length 1: none), compute the cost row of
     this batch size (into ``row`` and ``tmp``, from the cost state ``cstate``), choose the width for the new
     drafts (every width > 1 costing ``switch`` more), queue them and record the decision in row ``tpos`` of
-    ``trace`` (tpos < 0: not recorded). Returns
+    ``trace`` (tpos < 0: not recorded; ``queue`` False: the drafts are not queued either). Returns
     (width index, reason index, drafts, nodes, expected tokens, estimated cost): if the pending pools lack room
     it changes nothing and returns (-1, -1, drafts, nodes, 0, 0) they need per request."""
     need_d, need_n = pend_room(slots, offsets, pend)
@@ -200,7 +200,8 @@ def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens
         shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength)
     best, reason = _choose(parents, probs, sources, offsets, mlens, slots, pend.success, pend.run, cal, prior_mean,
                            strength, widths, row, draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths)
-    pend_add(slots, tokens, parents, offsets, sc.cells, pend)
+    if queue:
+        pend_add(slots, tokens, parents, offsets, sc.cells, pend)
     if tpos >= 0:
         ti, tf, tv = trace.ints, trace.floats, trace.values
         ti[tpos, 0] = step_no
@@ -267,7 +268,7 @@ def _count_decision(ctr, why):
 def _host_step(cslots, toks, offs, append, max_depth, st, budgets, tree, use_shared, ring, o_tok, o_par, o_prob,
                o_src, offsets, mlens, slots, alpha, strength, stale_after, draining, min_gain, optimism, lengths,
                switch, ctr, explore_min, explore_frac, trace_len, clock, obs_batch, obs_wi, obs_ms, cost_alpha,
-               cost_clip):
+               cost_clip, dry=False):
     """`AdaptiveController.step` in one call, on the state bundles of ``st`` (`StepState`): with ``append``, the
     committed tokens go to the cache (its ``append_batch``: on a negative token or a history without room it
     changes nothing and this returns its code); then a step duration reported since the last step (``obs_batch``
@@ -275,25 +276,30 @@ def _host_step(cslots, toks, offs, append, max_depth, st, budgets, tree, use_sha
     ``propose_batch`` into its output buffers, at the shared cache's epoch in ``ring``), then `_ctl_step`, which
     may explore / re-measure as the counters ``ctr`` allow, and the decision is counted there. Returns (append
     code, nodes proposed, then `_ctl_step`'s six values); a width index of -1: the pending pools lack room (the
-    cache's and the cost model's parts are done, the controller's is not, nothing is counted)."""
+    cache's and the cost model's parts are done, the controller's is not, nothing is counted).
+
+    ``dry``: the same proposal and width choice on the tokens the cache already holds, with no tokens appended,
+    no duration observed, no draft queued, decided or traced (``offs`` of one entry: no shadow evaluation): it
+    only warms the CPU caches for a real step, with the code and data that step will use. (The proposal resets
+    the cache's incremental match bounds, which only bound work: drafts never depend on them.)"""
     own, hists = st.own, st.hists
-    if append:
+    if append and not dry:
         code = append_batch(cslots, toks, offs, max_depth, own, hists)
         if code != 0:
             return code, 0, -1, -1, 0, 0, 0.0, 0.0
-    if obs_batch > 0:
+    if obs_batch > 0 and not dry:
         _cost_observe(st.cstate, obs_batch, obs_wi, obs_ms, cost_alpha, cost_clip, clock, stale_after)
     n = propose_batch(cslots, budgets, tree, max_depth, use_shared, ring[_S_EPOCH], own, hists, st.shared, o_tok,
                       o_par, o_prob, o_src, offsets, mlens)
     n1 = ctr[C_STEPS] + 1
     may_explore = ctr[C_EXPLORED] < explore_min + explore_frac * n1
     may_remeasure = stale_after > 0 and ctr[C_REMEASURED] * stale_after < n1
-    tpos = ctr[C_TRACED] % trace_len if trace_len > 0 else -1
+    tpos = ctr[C_TRACED] % trace_len if trace_len > 0 and not dry else -1
     wi, why, need_d, need_n, expected, cost = _ctl_step(
         slots, toks, offs, o_par[:n], o_prob[:n], o_src[:n], o_tok[:n], offsets, mlens, st.pend, alpha, st.cal,
         st.prior_mean, strength, st.widths, st.cstate, clock, stale_after, st.row, st.tmp, draining, min_gain,
-        may_explore, may_remeasure, optimism, st.sc, lengths, st.trace, tpos, ctr[C_STEP] + 1, switch)
-    if wi >= 0:
+        may_explore, may_remeasure, optimism, st.sc, lengths, st.trace, tpos, ctr[C_STEP] + 1, switch, not dry)
+    if wi >= 0 and not dry:
         _count_decision(ctr, why)
     return 0, n, wi, why, need_d, need_n, expected, cost
 
@@ -672,6 +678,19 @@ class AdaptiveController:
                 _new_plan(1, np.zeros(0, np.int64), 0.0, 0.0, "no-draft")
         return self._run_step(cache, rids, slots, cslots, committed, waiting, tree, switch)
 
+    def prefetch(self, cache, rids: list) -> None:
+        """Warm the CPU caches for the next ``step`` of the batch ``rids`` (a list of known request ids), e.g. while
+        the device runs this step's forward: ``step``'s own code path (Python and compiled) runs the proposal and
+        width choice on the tokens ``cache`` already holds, with nothing appended, observed, queued, decided or
+        traced. After a device wait a step's host work otherwise finds its code and data evicted and runs several
+        times slower. Changes no decision; overwrites the arrays of the last step's drafts (views of reused
+        buffers that the next step overwrites anyway); does nothing for anything but a list of known, distinct
+        request ids."""
+        if type(rids) is list and rids:
+            slots = self._fast_slots(cache, rids)
+            if slots is not None:
+                self._run_step(cache, rids, slots[0], slots[1], None, None, True, dry=True)
+
     def _step_state(self, cache) -> StepState:
         """The `StepState` of ``cache`` and this controller, rebuilt when a part was replaced since the last step
         (the pending pools, the cost tables or the scratch grown, the state loaded, another cache)."""
@@ -709,9 +728,9 @@ class AdaptiveController:
             return None
 
     def _run_step(self, cache, rids, slots: np.ndarray, cslots: np.ndarray, committed, waiting, tree,
-                  switch=0.0) -> tuple:
+                  switch=0.0, dry=False) -> tuple | None:
         """``step`` for validated, distinct slots (int64 arrays) of a non-empty batch and ``committed`` of the
-        right length (or None)."""
+        right length (or None). ``dry``: `prefetch` (``committed`` None; returns None)."""
         B = slots.shape[0]
         if committed is None:
             toks, offs = _NO_TOKENS, _NO_OFFSETS
@@ -732,7 +751,7 @@ class AdaptiveController:
         costs = self._costs
         if B >= costs._prior_rows:
             costs._ensure(B)
-        obs = self._obs
+        obs = None if dry else self._obs
         if obs is None:
             clock, obs_batch, obs_wi, obs_ms = costs.clock, 0, 0, 0.0
         else:
@@ -745,7 +764,7 @@ class AdaptiveController:
                 cache.use_shared, cache._ring, o_tok, o_par, o_prob, o_src, offsets, mlens, slots,
                 self.request_alpha, self.prior_strength, costs.stale_after, waiting == 0 and B > 1, self.min_gain,
                 self.explore_optimism, lengths, switch, self._ctr, self.explore_min, self.explore_frac,
-                self._trace_len, clock, obs_batch, obs_wi, obs_ms, costs.alpha, costs.clip)
+                self._trace_len, clock, obs_batch, obs_wi, obs_ms, costs.alpha, costs.clip, dry)
             if code == 0:
                 break
             if code < 0:  # a negative token id: nothing changed; the full validation names the request
@@ -754,6 +773,8 @@ class AdaptiveController:
                                  f"[0, {MAX_TOKEN + 1})")
             cache._append(cslots, toks, offs)  # a history lacks room: the cache grows it and appends
             append = False
+        if dry:
+            return None
         if obs is not None:  # the kernel gave the cost model the kept duration
             self._obs = None
             costs.clock = clock

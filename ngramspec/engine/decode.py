@@ -116,6 +116,7 @@ class SpecDecoder:
         self.sync_moves = bool(sync_moves)  # wait for a step's KV moves inside the step (its time, not the next's)
         self.device = kv.device
         self._arange = torch.arange(kv.max_len, device=kv.device)  # for the verify masks
+        self._while_forward = None  # host work to do while the device runs a step's forward (or None)
 
     # -- prefill --------------------------------------------------------------------------------------
     def _prefill(self, row: int, tokens: Sequence[int]) -> None:
@@ -201,6 +202,8 @@ class SpecDecoder:
         root_parent, root_depth = np.full((B, 1), -1, np.int64), np.zeros((B, 1), np.int64)
         root_mask = np.ones((B, 1, 1), bool)
         act_rids = [rids[i] for i in act]
+        # while the device runs a step's forward, warm the CPU caches for the next step's drafts and plan
+        prefetch = getattr(policy, "prefetch", None) if one_call else None
         while act:
             t_step = time.perf_counter()
             n_act = len(act)
@@ -235,6 +238,7 @@ class SpecDecoder:
                 tok, parents, depth, anc = lay.tokens, lay.parents, lay.depths, lay.mask
             L = int(length.max()) + width
             t_verify = time.perf_counter()
+            self._while_forward = None if prefetch is None else (prefetch, cache, act_rids)
             predicted = self._verify(tok, depth, anc, length, L)
             t_verified = time.perf_counter()
 
@@ -312,4 +316,8 @@ class SpecDecoder:
         mask = self._arange[:L].expand(B, n, L) < dev_all[-B:, None, None]
         mask.scatter_(2, slots[:, None, :].expand(B, n, n), ancestors)
         logits = self.verifier.forward(tokens, positions, slots, mask)
-        return logits.argmax(-1).cpu().numpy()
+        predicted = logits.argmax(-1)
+        if self._while_forward is not None:  # the launches above are asynchronous on a GPU: use the wait
+            fn, *args = self._while_forward
+            fn(*args)
+        return predicted.cpu().numpy()
