@@ -65,7 +65,7 @@ def test_greedy_walk_follows_predicted_children_only():
     assert greedy_walk(row_tokens, row_parent, 4, predicted) == []
 
 
-@pytest.mark.parametrize("spec", ["chain:k=8", "tree:k=8", "adaptive"])
+@pytest.mark.parametrize("spec", ["chain:k=8", "tree:k=8", "adaptive", "adaptive:prefetch=0"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_ngram_speculation_equals_plain_greedy(tiny_model, prompts, spec, batch):
     new_tokens = 64
@@ -79,7 +79,7 @@ def test_ngram_speculation_equals_plain_greedy(tiny_model, prompts, spec, batch)
         outputs += res.outputs
         accepted += sum(sum(r.accepted) for r in res.records)
     assert outputs == reference
-    if spec != "adaptive":       # the controller may rightly decline to draft; fixed policies always verify
+    if not spec.startswith("adaptive"):  # the controller may rightly decline to draft; fixed ones always verify
         assert accepted > 0
 
 
@@ -151,7 +151,8 @@ def test_adaptive_policy_takes_a_calibration_prior():
     assert policy.max_width == 8
     expected = TableProfile.from_json(str(path), "graph_ms").cost_ms(4, 6)
     assert policy.costs.estimate(4, 6) == pytest.approx(expected)
-    for bad in ("adaptive:explore_every=5", "adaptive:max_width=x"):
+    assert make_policy("adaptive:prefetch=0").prefetch is None and callable(make_policy("adaptive").prefetch)
+    for bad in ("adaptive:explore_every=5", "adaptive:max_width=x", "adaptive:prefetch=2"):
         with pytest.raises(ValueError):
             make_policy(bad)
 

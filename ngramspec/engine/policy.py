@@ -1,5 +1,6 @@
-"""Draft policies by name: `plain`, `chain:k=K`, `tree:k=K`, `adaptive[:max_width=16,prior=CALIBRATION.json]`
-(the controller: NGRAM_ADAPTIVE)."""
+"""Draft policies by name: `plain`, `chain:k=K`, `tree:k=K`,
+`adaptive[:max_width=16,prior=CALIBRATION.json,prefetch=1]` (the controller: NGRAM_ADAPTIVE; ``prefetch=0``: the
+decoder does not warm the host's caches for the next step while the device works, for A/B measurements)."""
 from __future__ import annotations
 
 from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
@@ -35,8 +36,11 @@ def make_policy(spec: str):
             raise ValueError(f"policy {spec!r}: k must be an integer") from None
         return FixedPolicy(k, tree=(name == "tree"))
     if name == "adaptive":
-        if set(params) - {"max_width", "prior"}:
-            raise ValueError(f"policy {spec!r}: adaptive takes max_width and prior (a calibration JSON file)")
+        if set(params) - {"max_width", "prior", "prefetch"}:
+            raise ValueError(f"policy {spec!r}: adaptive takes max_width, prior (a calibration JSON file) and "
+                             f"prefetch (0 or 1)")
+        if params.get("prefetch", "1") not in ("0", "1"):
+            raise ValueError(f"policy {spec!r}: prefetch must be 0 or 1")
         kwargs = {}
         if "max_width" in params:
             try:
@@ -45,5 +49,8 @@ def make_policy(spec: str):
                 raise ValueError(f"policy {spec!r}: max_width must be an integer") from None
         if "prior" in params:  # c(B, n) measured by `ngramspec calibrate`, used until measured online
             kwargs["prior"] = params["prior"]
-        return AdaptivePolicy(**kwargs)
+        policy = AdaptivePolicy(**kwargs)
+        if params.get("prefetch") == "0":
+            policy.prefetch = None  # the decoder calls prefetch only when the policy has one
+        return policy
     raise ValueError(f"unknown policy {spec!r}: plain, chain:k=K, tree:k=K or adaptive")
