@@ -194,3 +194,27 @@ def test_adaptive_one_call_step_decides_as_the_verbs_do(tiny_model, prompts, bat
     assert state_a.keys() == state_b.keys()
     for key in state_a:
         np.testing.assert_array_equal(state_a[key], state_b[key], err_msg=key)
+
+
+def test_other_policies_plans_are_checked_and_may_hold_lists(tiny_model, prompts):
+    """A policy other than the controller itself may return its lengths as a list (taken as is) and has its plan
+    checked: a prefix longer than the width it chose is a ValueError, not a wrong decode."""
+    from ngramspec.controller.protocol import Plan
+
+    class ListLengths(FixedPolicy):
+        def plan(self, rids, batch, waiting=None):
+            p = super().plan(rids, batch, waiting)
+            return Plan(p.width, p.lengths.tolist(), p.expected, p.cost, p.reason)
+
+    class TooLong(FixedPolicy):
+        def plan(self, rids, batch, waiting=None):
+            p = super().plan(rids, batch, waiting)
+            return Plan(1, [int(k) + 1 for k in p.lengths], p.expected, p.cost, p.reason)
+
+    new_tokens = 24
+    reference = plain(tiny_model, prompts[:1], new_tokens)
+    dec = SpecDecoder(KVModel(tiny_model, batch=1, max_len=max(map(len, prompts)) + new_tokens + 9))
+    res = dec.generate(prompts[:1], new_tokens, policy=ListLengths(8, tree=True), cache=NgramCache())
+    assert res.outputs == reference
+    with pytest.raises(ValueError, match="policy chose width 1"):
+        dec.generate(prompts[:1], new_tokens, policy=TooLong(8, tree=True), cache=NgramCache())

@@ -217,10 +217,11 @@ class SpecDecoder:
                     batch = cache.propose(act_rids, max(1, policy.max_width - 1), tree=tree)
                     plan = policy.plan(act_rids, batch, waiting=0)
                 t_plan = time.perf_counter()
-                width, kept = plan.width, plan.lengths
-                kl = kept.tolist()
-                if not trusted:
-                    width, kept = int(width), np.asarray(kept, np.int64)
+                if trusted:
+                    width, kept = plan.width, plan.lengths
+                    kl = kept.tolist()
+                else:
+                    width, kept = int(plan.width), np.asarray(plan.lengths, np.int64)
                     kl = kept.tolist() if kept.ndim == 1 else None
                     if width < 1 or kl is None or len(kl) != n_act or min(kl) < 0 or max(kl) > width - 1:
                         raise ValueError(f"policy chose width {width} and kept {kept.tolist()} for {n_act} requests")
