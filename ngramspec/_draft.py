@@ -20,6 +20,27 @@ from ngramspec._trie import (
 
 SRC_LOCAL, SRC_SHARED = 0, 1
 MAX_BRANCH = 32  # children considered per tree node: keeps scratch linear in the budget
+SCRATCH_BUDGET = 32  # the largest per-request budget the cache's preallocated proposal scratch serves
+
+
+class TreeScratch(NamedTuple):
+    """`draft_tree`'s scratch (`tree_scratch`), held by the cache and reused (a batch whose budgets exceed it gets
+    a larger one of its own). Candidates (``c_*``: token, parent draft node, trie position, path probability) live
+    in a max-heap of candidate indices (``h_*``: probability, insertion sequence for deterministic ties, candidate
+    index); ``t_*`` receives one node's continuations (only the first MAX_BRANCH entries are used)."""
+
+    c_tok: np.ndarray
+    c_par: np.ndarray
+    c_node: np.ndarray
+    c_off: np.ndarray
+    c_prob: np.ndarray
+    h_prob: np.ndarray
+    h_seq: np.ndarray
+    h_idx: np.ndarray
+    t_tok: np.ndarray
+    t_node: np.ndarray
+    t_off: np.ndarray
+    t_cnt: np.ndarray
 
 
 class OwnState(NamedTuple):
@@ -37,6 +58,8 @@ class OwnState(NamedTuple):
     match_len: np.ndarray  # int64 [R, 2]: last match length in own history / in the shared cache
     since: np.ndarray  # int64 [R]: tokens appended since the last proposal
     epoch_seen: np.ndarray  # int64 [R]: the shared cache's epoch at the last proposal
+    buf: np.ndarray  # int32: `propose_batch`'s context buffer, reused (budgets up to SCRATCH_BUDGET)
+    sc: TreeScratch  # `draft_tree`'s scratch, reused (budgets up to SCRATCH_BUDGET)
 
 
 class SharedState(NamedTuple):
@@ -48,30 +71,16 @@ class SharedState(NamedTuple):
     arena: np.ndarray  # int32 token ring
 
 
-class TreeScratch(NamedTuple):
-    """`draft_tree`'s scratch, allocated once per batch (`tree_scratch`). Candidates (``c_*``: token, parent
-    draft node, trie position, path probability) live in a max-heap of candidate indices (``h_*``: probability,
-    insertion sequence for deterministic ties, candidate index); ``t_*`` receives one node's continuations (only
-    the first MAX_BRANCH entries are used)."""
-
-    c_tok: np.ndarray
-    c_par: np.ndarray
-    c_node: np.ndarray
-    c_off: np.ndarray
-    c_prob: np.ndarray
-    h_prob: np.ndarray
-    h_seq: np.ndarray
-    h_idx: np.ndarray
-    t_tok: np.ndarray
-    t_node: np.ndarray
-    t_off: np.ndarray
-    t_cnt: np.ndarray
+@njit(cache=True)
+def _scratch_cap(max_budget):
+    """Candidates a tree of up to ``max_budget`` nodes may hold: each drafted node adds at most MAX_BRANCH."""
+    return max_budget * (min(max_budget, MAX_BRANCH) + 1) + 1
 
 
 @njit(cache=True)
 def tree_scratch(max_budget):
-    """Scratch for trees of up to ``max_budget`` nodes: each drafted node adds at most MAX_BRANCH candidates."""
-    cap = max_budget * (min(max_budget, MAX_BRANCH) + 1) + 1
+    """Scratch for trees of up to ``max_budget`` nodes (and for chains)."""
+    cap = _scratch_cap(max_budget)
     ci = np.empty((5, cap), np.int32)
     cf = np.empty((2, cap), np.float64)
     t = np.empty((4, MAX_BRANCH), np.int32)
@@ -128,20 +137,18 @@ def _pos_depth(nodes, n, off):
 
 @njit(cache=True)
 def draft_chain(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_depth,
-                buf, o_tok, o_par, o_prob, base):
+                buf, o_tok, o_par, o_prob, base, sc):
     """Most likely continuation from match position (n, off), up to ``budget`` tokens.
 
     When the trie path runs out (depth D, or an occurrence that ended) it backs off to the longest suffix of
     history + draft that still has a continuation, like a suffix link. Returns the number of tokens written.
+    ``sc``: a `TreeScratch` (its ``t_*`` arrays hold the one continuation).
     """
     ctx = min(hlen, max_depth - 1)
     for i in range(ctx):
         buf[i] = hist[hlen - ctx + i]
     blen = ctx
-    c_tok = np.empty(1, np.int32)
-    c_node = np.empty(1, np.int32)
-    c_off = np.empty(1, np.int32)
-    c_cnt = np.empty(1, np.int32)
+    c_tok, c_node, c_off, c_cnt = sc.t_tok, sc.t_node, sc.t_off, sc.t_cnt
     prob = 1.0
     i = 0
     while i < budget:
@@ -276,8 +283,10 @@ def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists
     maxb = 1
     for i in range(B):
         maxb = max(maxb, budgets[i])
-    buf = np.empty(max_depth + maxb + 1, np.int32)
-    sc = tree_scratch(maxb)
+    buf, sc = own.buf, own.sc  # the cache's scratch, unless a budget exceeds it
+    if buf.shape[0] < max_depth + maxb + 1 or sc.h_idx.shape[0] < _scratch_cap(maxb):
+        buf = np.empty(max_depth + maxb + 1, np.int32)
+        sc = tree_scratch(maxb)
     s_alen = s_arena.shape[0]
     pos = 0
     offsets[0] = 0
@@ -305,7 +314,7 @@ def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists
                                max_depth, buf, o_tok, o_par, o_prob, pos, sc)
             else:
                 k = draft_chain(l_nodes, l_table, roots[r], hist, hlen, ln, loff, hist, hlen, budgets[i],
-                                max_depth, buf, o_tok, o_par, o_prob, pos)
+                                max_depth, buf, o_tok, o_par, o_prob, pos, sc)
         elif ms > 0:
             src = SRC_SHARED
             if tree:
@@ -313,7 +322,7 @@ def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists
                                max_depth, buf, o_tok, o_par, o_prob, pos, sc)
             else:
                 k = draft_chain(s_nodes, s_table, s_root, s_arena, s_alen, sn, soff, hist, hlen, budgets[i],
-                                max_depth, buf, o_tok, o_par, o_prob, pos)
+                                max_depth, buf, o_tok, o_par, o_prob, pos, sc)
         for j in range(pos, pos + k):
             o_src[j] = src
         pos += k

@@ -168,7 +168,9 @@ class NgramCache:
         self._out_views: dict[tuple[int, int], tuple] = {}  # views of them per (batch size, budget)
         self._out_batches: dict[tuple[int, int], DraftBatch] = {}  # DraftBatches of them per (batch size, nodes)
         self._own_state = _draft.OwnState(self._l_nodes, self._l_table, self._l_meta, self._roots, self._hlens,
-                                          self._active, self._match, self._since, self._epoch_seen)
+                                          self._active, self._match, self._since, self._epoch_seen,
+                                          np.empty(D + _draft.SCRATCH_BUDGET + 1, np.int32),
+                                          _draft.tree_scratch(_draft.SCRATCH_BUDGET))
         self._shared_state = _draft.SharedState(self._s_nodes, self._s_table, self._s_root, self._arena)
         self._append_kernel = _Direct(self, "_append_kernel", _draft.append_batch)  # (see _Direct: these
         self._propose_kernel = _Direct(self, "_propose_kernel", _draft.propose_batch)  # skip numba's dispatch)

@@ -116,6 +116,7 @@ CONFIGS = {
     # fixed width 1 drafts nothing: multi-step plain decoding alone (plain_forwards at every batch size)
     "adaptive_w1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1,
                                                                                 "plain_forwards_max_batch": 48}),
+    "adaptive_nopf": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"prefetch": False}),
     "adaptive_cw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": True}),
     # the wait after a draft counted as plain decoding's cost (the default before charge_waits_to_drafts was)
     "adaptive_nocw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": False}),
@@ -150,7 +151,7 @@ def profile_snapshot(path: str) -> dict:
 def profile_delta(before: dict, after: dict) -> dict | None:
     """Per step: mean verify width, waiting / planning / launch host ms, over all kinds of step."""
     tot = {k: 0.0 for k in ("steps", "requests", "width", "wait_s", "plan_s", "launch_s", "forward_s", "graph_steps",
-                            "forwards")}
+                            "forwards", "prefetch_s", "views_s", "planner_s")}
     kinds, by_kind = {}, {}
     for kind, row in after.items():
         if kind.startswith("_"):
@@ -158,8 +159,12 @@ def profile_delta(before: dict, after: dict) -> dict | None:
         old = before.get(kind, {})
         d = {k: row.get(k, 0) - old.get(k, 0) for k in tot}
         kinds[kind] = int(d["steps"])
-        if d["steps"]:  # host ms per step of this kind: planning, launch (forward call included), the forward call
+        if d["steps"]:  # host ms per step of this kind: planning (of it: prefetch, the request views with any wait
+            # for the previous step's tokens, the first planner call), launch (forward call included), the forward call
             by_kind[kind] = {"plan_ms": round(1e3 * d["plan_s"] / d["steps"], 3),
+                             "prefetch_ms": round(1e3 * d["prefetch_s"] / d["steps"], 3),
+                             "views_ms": round(1e3 * d["views_s"] / d["steps"], 3),
+                             "planner_ms": round(1e3 * d["planner_s"] / d["steps"], 3),
                              "launch_ms": round(1e3 * d["launch_s"] / d["steps"], 3),
                              "forward_call_ms": round(1e3 * d["forward_s"] / d["steps"], 3),
                              "forwards_per_step": round(d["forwards"] / d["steps"], 3)}

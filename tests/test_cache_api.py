@@ -553,3 +553,22 @@ def test_random_lifecycles_keep_bounds_and_histories(seed):
     for rid in list(fed):
         cache.finish_request(rid)
     assert cache.stats()["local_nodes_live"] == 0
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_budgets_beyond_the_reused_scratch_draft_the_prefix_extension(tree):
+    """Budgets above the cache's preallocated proposal scratch (SCRATCH_BUDGET) get scratch of their own: the
+    draft of the larger budget extends the smaller one (a best-first tree's and a chain's prefixes are the
+    drafts of their sizes), and the reused scratch still serves small budgets afterwards."""
+    from ngramspec._draft import SCRATCH_BUDGET
+
+    stream = _stream(7, 3000, 20)
+    cache = NgramCache(max_depth=8, max_requests=2)
+    cache.start_request("a", stream)
+    small = cache.propose(["a"], SCRATCH_BUDGET, tree=tree).draft(0)
+    big = cache.propose(["a"], 3 * SCRATCH_BUDGET, tree=tree).draft(0)
+    again = cache.propose(["a"], SCRATCH_BUDGET, tree=tree).draft(0)
+    assert len(small) == SCRATCH_BUDGET and len(big) > SCRATCH_BUDGET
+    for d in (big, again):
+        assert d.tokens[:len(small)].tolist() == small.tokens.tolist()
+        assert d.parents[:len(small)].tolist() == small.parents.tolist()

@@ -52,6 +52,9 @@ ADAPTIVE_CONFIG_KEYS = {
     "plain_forwards_max_batch": "the largest decode batch (requests) whose plain steps run plain_forwards forwards; "
                                 "larger batches run one per step. Default "
                                 f"{DEFAULT_PLAIN_FORWARDS_MAX_BATCH}",
+    "prefetch": "true: a step that must wait for the previous step's tokens first runs the drafting code on what "
+                "the host already holds (changing nothing), so that its real drafting after the wait finds the "
+                "CPU caches warm (default); false: it does not",
 }
 
 
@@ -71,6 +74,7 @@ class AdaptiveConfig:
     charge_waits_to_drafts: bool = True
     plain_forwards: int | None = None  # None: DEFAULT_PLAIN_FORWARDS, at most the largest width
     plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
+    prefetch: bool = True
 
     def __post_init__(self):
         widths = tuple(self.widths)
@@ -90,6 +94,8 @@ class AdaptiveConfig:
             raise ValueError(f"tp_sync_interval must be an int >= 1, got {self.tp_sync_interval!r}")
         if not isinstance(self.charge_waits_to_drafts, bool):
             raise ValueError(f"charge_waits_to_drafts must be true or false, got {self.charge_waits_to_drafts!r}")
+        if not isinstance(self.prefetch, bool):
+            raise ValueError(f"prefetch must be true or false, got {self.prefetch!r}")
         if not isinstance(self.tree, bool):
             raise ValueError(f"tree must be true or false, got {self.tree!r}")
         if not isinstance(self.controller, Mapping):
@@ -182,4 +188,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         charge_waits_to_drafts=data.get("charge_waits_to_drafts", AdaptiveConfig.charge_waits_to_drafts),
         plain_forwards=data.get("plain_forwards"),
         plain_forwards_max_batch=data.get("plain_forwards_max_batch", DEFAULT_PLAIN_FORWARDS_MAX_BATCH),
+        prefetch=data.get("prefetch", AdaptiveConfig.prefetch),
     )

@@ -229,6 +229,15 @@ class DraftPlanner:
         self.stats.record_step(plan, drafted)
         return plan
 
+    def prefetch(self, rids: Sequence[Hashable]) -> None:
+        """Warm the CPU caches for the next `plan` of the batch ``rids`` while the host would otherwise wait on
+        the device: the adaptive controller's step code runs on the tokens the cache already holds, changing
+        nothing (`AdaptiveController.prefetch`). Does nothing for other controllers, for requests the planner
+        does not track yet, or for a batch with a request served without drafts."""
+        ctl = self.controller
+        if type(ctl) is AdaptiveController and not (self._untracked and any(r in self._untracked for r in rids)):
+            ctl.prefetch(self.cache, list(rids))
+
     def record_duration(self, width: int, batch_size: int, seconds: float, *, after_draft: bool = False) -> None:
         """A measured verify step (only kept on the timing rank; shared at the next sync step). ValueError for a
         width not in the configured widths, a batch size < 1 or a duration that is not positive and finite."""

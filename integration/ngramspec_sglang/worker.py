@@ -378,9 +378,16 @@ class NgramAdaptiveWorker(NGRAMWorker):
                     self._profile.add(1, bs, True, 0.0, t_plan - t0, time.perf_counter() - t_plan,
                                       self._forward_s, result.can_run_cuda_graph, forwards=forwards)
                 return result
-        # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
+        t_pre = time.perf_counter()
+        if relayed and not lagging and self.config.prefetch:
+            # the views wait for the previous step's tokens: meanwhile warm the CPU caches for planning on them
+            self.planner.prefetch(rids)
+        t_views = time.perf_counter()
         views = request_views(batch, relayed and not lagging)
+        t_planner = time.perf_counter()
+        # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
         plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last)
+        t_planned = time.perf_counter()
         if lagging and plan.width == 1:
             roots = self._last_tokens(batch, rids)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
@@ -408,7 +415,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._timer.step_launched(plan.width, bs, forwards)
         if self._profile is not None:
             self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,
-                              self._forward_s, result.can_run_cuda_graph, plan, self.planner.controller, forwards)
+                              self._forward_s, result.can_run_cuda_graph, plan, self.planner.controller, forwards,
+                              parts=(t_views - t_pre, t_planner - t_views, t_planned - t_planner))
         if self._draft_log is not None:
             self._draft_log.write(plan)
         return result
@@ -657,7 +665,9 @@ class _HostProfile:
         row[3] = max(row[3], seconds)
 
     def add(self, width: int, batch_size: int, lagging: bool, wait_s: float, plan_s: float, launch_s: float,
-            forward_s: float, graph: bool, plan=None, controller=None, forwards: int = 1) -> None:
+            forward_s: float, graph: bool, plan=None, controller=None, forwards: int = 1, parts=None) -> None:
+        """One step; ``parts``: seconds of plan_s spent in (prefetch, the request views: waiting for the previous
+        step's tokens when the step needs them, the first planner call)."""
         key = ("plain-overlapped" if lagging else "plain") if width == 1 else "verify"
         if plan is not None:
             self.reasons[plan.reason] = self.reasons.get(plan.reason, 0) + 1
@@ -667,7 +677,11 @@ class _HostProfile:
                 self.expected[2] += float(plan.expected_tokens)
             self.controller = controller
             self.batches.add(batch_size)
-        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, 0])
+        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0])
+        if parts is not None:
+            row[9] += parts[0]
+            row[10] += parts[1]
+            row[11] += parts[2]
         row[6] += forward_s
         row[7] += bool(graph)
         row[8] += forwards
@@ -681,7 +695,8 @@ class _HostProfile:
 
     def dump(self) -> None:
         out = {k: {"steps": r[0], "requests": r[1], "width": r[5], "wait_s": r[2], "plan_s": r[3], "launch_s": r[4],
-                   "forward_s": r[6], "graph_steps": r[7], "forwards": r[8]} for k, r in self.rows.items()}
+                   "forward_s": r[6], "graph_steps": r[7], "forwards": r[8], "prefetch_s": r[9], "views_s": r[10],
+                   "planner_s": r[11]} for k, r in self.rows.items()}
         costs = {}
         estimates = getattr(getattr(self.controller, "costs", None), "row", None)
         if estimates is not None:

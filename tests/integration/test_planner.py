@@ -298,6 +298,42 @@ def _drive(p, steps=40):
     return plans
 
 
+def test_prefetch_before_every_plan_changes_no_plan():
+    """`DraftPlanner.prefetch` (what the worker runs while it waits for the previous step's tokens) before every
+    plan, with the batch's ids (known, new, released): the same plans, cache and controller state as without."""
+    class Prefetching(DraftPlanner):
+        def plan(self, views, waiting=None, after_draft=False):
+            self.prefetch([v.rid for v in views])
+            return super().plan(views, waiting, after_draft)
+
+    plain, pre = planner(), Prefetching(AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, capacity=1 << 16))
+    assert _drive(pre) == _drive(plain)
+    assert pre.cache.stats() == plain.cache.stats()
+    a, b = pre.controller.state_dict(), plain.controller.state_dict()
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k], equal_nan=a[k].dtype.kind == "f") for k in a)
+
+
+def test_prefetch_runs_the_controllers_dry_step_only_for_tracked_batches():
+    calls = []
+
+    class Spy(AdaptiveController):
+        def prefetch(self, cache, rids):
+            calls.append(list(rids))
+            super().prefetch(cache, rids)
+
+    p = DraftPlanner(AdaptiveConfig(widths=(1, 2, 4), max_depth=8, capacity=1 << 16), controller=Spy((1, 2, 4)))
+    p.prefetch(("a",))  # Spy is not exactly AdaptiveController: the generic path has no dry step
+    assert calls == []
+    q = planner()
+    q.plan([RequestView("a", [1, 2, 3, 1, 2, 3], [])])
+    seen = []
+    q.controller.prefetch = lambda cache, rids: seen.append(list(rids))
+    q.prefetch(("a",))
+    q._untracked.add("b")
+    q.prefetch(("a", "b"))  # a request served without drafts: nothing to warm
+    assert seen == [["a"]]
+
+
 def test_fast_path_plans_like_the_per_request_calls():
     """The planner's one-call step (AdaptiveController.step + the layout kernel) plans exactly as the generic
     path (observe_tokens per request, propose, plan, layout of each draft)."""
