@@ -116,7 +116,7 @@ CONFIGS = {
     # fixed width 1 drafts nothing: multi-step plain decoding alone (plain_forwards at every batch size)
     "adaptive_w1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1,
                                                                                 "plain_forwards_max_batch": 48}),
-    "adaptive_nopf": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"prefetch": False}),
+    "adaptive_pf": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"prefetch": True}),
     "adaptive_cw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": True}),
     # the wait after a draft counted as plain decoding's cost (the default before charge_waits_to_drafts was)
     "adaptive_nocw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": False}),

@@ -54,7 +54,7 @@ ADAPTIVE_CONFIG_KEYS = {
                                 f"{DEFAULT_PLAIN_FORWARDS_MAX_BATCH}",
     "prefetch": "true: a step that must wait for the previous step's tokens first runs the drafting code on what "
                 "the host already holds (changing nothing), so that its real drafting after the wait finds the "
-                "CPU caches warm (default); false: it does not",
+                "CPU caches warm; pays only where that wait is long. Default false",
 }
 
 
@@ -74,7 +74,7 @@ class AdaptiveConfig:
     charge_waits_to_drafts: bool = True
     plain_forwards: int | None = None  # None: DEFAULT_PLAIN_FORWARDS, at most the largest width
     plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
-    prefetch: bool = True
+    prefetch: bool = False
 
     def __post_init__(self):
         widths = tuple(self.widths)

@@ -373,9 +373,9 @@ class DraftPlanner:
                                  f"{sizes.tolist()}")
         roots = np.array([v.last_token() for v in views], np.int64)
         if width == 1 and self.layout is _default_layout:  # the roots alone: the rest is the same every step
-            depths, index, none = self._root_rows(len(views))
-            return StepPlan(1, lengths, float(decision.expected), str(decision.reason), roots.reshape(-1, 1),
-                            np.ones((len(views), 1, 1), np.bool_), depths, index, none, none)
+            depths, index, none, mask = self._root_rows(len(views))
+            return StepPlan(1, lengths, float(decision.expected), str(decision.reason), roots.reshape(-1, 1), mask,
+                            depths, index, none, none)
         if self.layout is _default_layout:
             lay = layout_flat(batch.tokens, batch.parents, batch.offsets, lengths, roots, width)
         else:
@@ -385,11 +385,12 @@ class DraftPlanner:
                         lay.depths, lay.retrieve_index, lay.retrieve_next_token, lay.retrieve_next_sibling)
 
     def _root_rows(self, B: int) -> tuple:
-        """Arrays of a width-1 step's layout of ``B`` requests (depths, retrieve index, -1s for the retrieve links),
-        the `layout_flat` convention, read-only and kept per batch size."""
+        """Arrays of a width-1 step's layout of ``B`` requests (depths, retrieve index, -1s for the retrieve links,
+        the mask), the `layout_flat` convention, read-only and kept per batch size."""
         rows = self._root_layouts.get(B)
         if rows is None:
-            rows = (np.zeros((B, 1), np.int64), np.arange(B, dtype=np.int64)[:, None], np.full((B, 1), -1, np.int64))
+            rows = (np.zeros((B, 1), np.int64), np.arange(B, dtype=np.int64)[:, None], np.full((B, 1), -1, np.int64),
+                    np.ones((B, 1, 1), np.bool_))
             for a in rows:
                 a.flags.writeable = False
             if len(self._root_layouts) >= 256:

@@ -512,6 +512,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         retrieve_next_sibling = self.retrieve_next_sibling[: bs * w].view(bs, w)
         tree_mask = self.tree_mask[: bs * w * w]
         mask_host = np.ascontiguousarray(plan.mask, dtype=np.bool_).reshape(-1)
+        if not mask_host.flags.writeable:  # a width-1 plan's shared mask: torch wants arrays it may write
+            mask_host = mask_host.copy()
         tokens_host = np.ascontiguousarray(plan.tokens, dtype=np.int64).reshape(-1)
         tree_mask.copy_(torch.from_numpy(mask_host), non_blocking=True)
         draft_tokens.copy_(torch.from_numpy(tokens_host), non_blocking=True)

@@ -86,8 +86,9 @@ def test_width_one_is_a_root_only_step():
         for name in ("tokens", "mask", "depths", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling"):
             np.testing.assert_array_equal(getattr(plan, name), getattr(lay, name))
             assert getattr(plan, name).dtype == getattr(lay, name).dtype, name
-        with pytest.raises(ValueError):
-            plan.depths[0, 0] = 1
+        for shared in (plan.depths, plan.mask):
+            with pytest.raises(ValueError):
+                shared[0, 0] = 1
 
 
 def test_layout_rows_hold_root_then_prefix_of_the_draft():

@@ -154,7 +154,7 @@ def test_the_server_knob_is_read_and_validated(tmp_path):
     assert config_from({"charge_waits_to_drafts": False}).charge_waits_to_drafts is False
     with pytest.raises(ValueError, match="charge_waits_to_drafts"):
         config_from({"charge_waits_to_drafts": "yes"})
-    assert config_from({}).prefetch is True and config_from({"prefetch": False}).prefetch is False
+    assert config_from({}).prefetch is False and config_from({"prefetch": True}).prefetch is True
     with pytest.raises(ValueError, match="prefetch"):
         config_from({"prefetch": 1})
 
