@@ -208,8 +208,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         JIT-compile inside the first request that needs each one (a stall of seconds per kernel and shape class):
         the greedy-verify module, and the Triton kernels specialised on the verify width (tree indices from the
         mask; the accepted tokens' cache locations, packed from the verify window) or on the batch size's or the
-        verify window's power of two (cache locations, accepted-token moves, KV moves of the accepted tokens).
-        Dummy inputs only address the KV pool's padding slot 0."""
+        verify window's power of two (cache locations, accepted-token moves, KV moves of the accepted tokens). Dummy inputs only address the KV pool's padding slot 0."""
         if _is_cpu:
             return
         from sglang.kernels.ops.speculative.eagle import fill_accept_out_cache_loc_func
