@@ -207,8 +207,9 @@ class NgramAdaptiveWorker(NGRAMWorker):
         """Build now the kernels a decode step runs outside the captured graphs, which SGLang would otherwise
         JIT-compile inside the first request that needs each one (a stall of seconds per kernel and shape class):
         the greedy-verify module, and the Triton kernels specialised on the verify width (tree indices from the
-        mask) or on the batch size's or the verify window's power of two (cache locations, accepted-token
-        moves, KV moves of the accepted tokens). Dummy inputs only address the KV pool's padding slot 0."""
+        mask; the accepted tokens' cache locations, packed from the verify window) or on the batch size's or the
+        verify window's power of two (cache locations, accepted-token moves, KV moves of the accepted tokens).
+        Dummy inputs only address the KV pool's padding slot 0."""
         if _is_cpu:
             return
         from sglang.kernels.ops.speculative.eagle import fill_accept_out_cache_loc_func
@@ -224,9 +225,12 @@ class NgramAdaptiveWorker(NGRAMWorker):
             sizes.append(n)
             n *= 2
         try:
+            # the front fill of accepted tokens' KV moves runs the cache-location kernel over the verify window
+            # (bs x width), specialised on the width: every width of the config, every batch size's power of two
+            windows = sorted(set(self.config.widths) | {1, w_max})
             for bs in (s for s in sizes if s < 2 * max(1, self.max_batch_size)):
                 zeros = torch.zeros(bs, **long)
-                for w in (1, w_max):
+                for w in windows:
                     locs = assign_extend_cache_locs_func(
                         req_pool_indices=zeros, req_to_token=req_to_token, start_offset=zeros,
                         end_offset=zeros + w, batch_size=bs, draft_token_num=w, device=dev)
