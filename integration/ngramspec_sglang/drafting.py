@@ -193,7 +193,7 @@ class DraftPlanner:
         its end will cost a plain step."""
         if not views:
             raise ValueError("plan() needs at least one request")
-        rids, totals, committed, accepted = self._collect(views)
+        rids, totals, committed, accepted, lasts = self._collect(views)
         self.stats.record_outcome(accepted)
         if self._steps % self.config.tp_sync_interval == 0:
             samples = self.broadcast(self._local_durations if self.is_timing_rank else None) or []
@@ -221,7 +221,7 @@ class DraftPlanner:
                     ctl.observe_tokens(r, t)
             batch = self._propose(rids)
             decision = ctl.plan(rids, batch, waiting=waiting)
-        plan = self._build(views, batch, decision)
+        plan = self._build(views, batch, decision, lasts)
         last = self._last
         drafted = plan.drafted.tolist()
         for rid, total, k in zip(rids, totals, drafted):
@@ -308,12 +308,13 @@ class DraftPlanner:
     def _collect(self, views: Sequence[RequestView]):
         """Start new requests, and per request: its id, committed length, the tokens committed since the last
         plan (to feed cache and controller) and, for requests planned last step, the draft tokens accepted
-        (committed growth minus the bonus token)."""
-        rids, totals, committed, accepted = [], [], [], []
+        (committed growth minus the bonus token); and each request's last committed token."""
+        rids, totals, committed, accepted, lasts = [], [], [], [], []
         fed_of, last_of = self._fed, self._last
         for v in views:
-            rid = v.rid
-            total = v.committed_len
+            rid, prompt, output, pending = v.rid, v.prompt, v.output, v.pending
+            p, o = len(prompt), len(output)
+            total = p + o + len(pending)
             fed = fed_of.get(rid)
             if fed is None:
                 if total == 0:
@@ -327,8 +328,13 @@ class DraftPlanner:
                 self.controller.start(rid)
                 fed = len(prompt)
                 fed_of[rid] = fed
-            if total > fed:
-                committed.append(v.tail(fed))
+            if total > fed:  # (`RequestView.tail`, inlined: the common cases first)
+                if fed >= p + o:
+                    committed.append(list(pending[fed - p - o:]))
+                elif fed >= p and not len(pending):
+                    committed.append(list(output[fed - p:]))
+                else:
+                    committed.append(v.tail(fed))
                 fed_of[rid] = total
             else:
                 committed.append(_NO_TOKENS)
@@ -337,7 +343,8 @@ class DraftPlanner:
                 accepted.append(max(0, min(last[1], total - last[0] - 1)))
             rids.append(rid)
             totals.append(total)
-        return rids, totals, committed, accepted
+            lasts.append(pending[-1] if len(pending) else output[-1] if o else v.prompt[-1])
+        return rids, totals, committed, accepted, lasts
 
     def _propose(self, rids) -> DraftBatch:
         """Drafts for the batch; requests without cache state get empty drafts."""
@@ -359,7 +366,7 @@ class DraftPlanner:
             return DraftBatch(empty, empty.copy(), np.zeros(0, np.float32), np.zeros(0, np.int8), offsets, match)
         return DraftBatch(part.tokens, part.parents, part.probs, part.sources, offsets, match)
 
-    def _build(self, views, batch, decision) -> StepPlan:
+    def _build(self, views, batch, decision, lasts) -> StepPlan:
         width = int(decision.width)
         if width not in self.config.widths:
             raise ValueError(f"controller chose width {width}, not one of {self.config.widths}")
@@ -371,7 +378,7 @@ class DraftPlanner:
             if lengths.size and (lengths.min() < 0 or lengths.max() > width - 1 or (lengths > sizes).any()):
                 raise ValueError(f"draft lengths {lengths.tolist()} do not fit width {width} / drafts "
                                  f"{sizes.tolist()}")
-        roots = np.array([v.last_token() for v in views], np.int64)
+        roots = np.array(lasts, np.int64)
         if width == 1 and self.layout is _default_layout:  # the roots alone: the rest is the same every step
             depths, index, none, mask = self._root_rows(len(views))
             return StepPlan(1, lengths, float(decision.expected), str(decision.reason), roots.reshape(-1, 1), mask,

@@ -610,7 +610,7 @@ class AdaptiveController:
                 pass  # not arrays: checked below
         if all(type(t) is list for t in committed):  # the common case: lists of Python ints, checked in one pass
             flat = [x for t in committed for x in t]
-            if all(type(x) in _INT_TYPES for x in flat) and (not flat or (min(flat) >= 0 and max(flat) < MAX_TOKEN)):
+            if set(map(type, flat)) <= _INT_TYPES and (not flat or (min(flat) >= 0 and max(flat) < MAX_TOKEN)):
                 offs[1:] = list(accumulate([len(t) for t in committed]))
                 return np.array(flat, np.int32), offs
         elif B and all(type(t) is np.ndarray and t.ndim == 1 and t.dtype.kind in "iu" for t in committed):
