@@ -4,7 +4,9 @@ A trie is three arrays:
 
 - ``nodes[N, 8]`` int32, one row per node, columns below. Row-major so a node's fields share a cache line.
 - ``table[H]`` int32, an open-addressing hash (linear probing) from (parent, token) to node id; the key is read
-  back from ``nodes`` so a slot costs 4 bytes. ``H`` is a power of two >= 2N.
+  back from ``nodes`` so a slot costs 4 bytes. ``H`` is a power of two. `new_trie` allocates ``2N`` slots (at
+  least) but the kernels take a prefix of them, sized to the live nodes (`table_for`): a pool sized for a whole
+  server is mostly empty, and probing a hash of its full size would miss the CPU's caches on every lookup.
 - ``meta[5]`` int64: free-list head, high-water mark, live nodes, capacity, nodes reserved for roots (a
   non-root allocation never takes those, so a full pool still admits new requests).
 
@@ -42,6 +44,24 @@ def new_trie(capacity: int):
     table = np.full(size, -1, dtype=np.int32)
     meta = np.array([-1, 0, 0, capacity, 0], dtype=np.int64)
     return nodes, table, meta
+
+
+MIN_TABLE = 1 << 12  # slots of a trie's first hash view
+
+
+def table_for(full, nodes, meta, view, extra: int):
+    """The view of the hash buffer ``full`` to use before adding up to ``extra`` nodes: ``view`` itself while live
+    nodes plus ``extra`` fill at most half of it, else the smallest large enough power-of-two prefix of ``full``
+    (all of it at most), rebuilt from the live nodes."""
+    need = 2 * (int(meta[M_LIVE]) + extra)
+    size = view.shape[0]
+    if need <= size or size >= full.shape[0]:
+        return view
+    while size < need and size < full.shape[0]:
+        size *= 2
+    view = full[:size]
+    rehash(nodes, view, meta)
+    return view
 
 
 @njit(cache=True, inline="always")
@@ -122,6 +142,20 @@ def alloc_node(nodes, table, meta, parent, token, depth):
             s = (s + 1) & mask
         table[s] = n
     return n
+
+
+@njit(cache=True)
+def rehash(nodes, table, meta):
+    """Rebuild ``table`` from the live nodes (every node with a parent; roots are not hashed)."""
+    table[:] = -1
+    mask = table.shape[0] - 1
+    for n in range(meta[M_HIGH]):
+        p = nodes[n, PAR]
+        if p >= 0:
+            s = _slot(p, nodes[n, TOK], mask)
+            while table[s] >= 0:
+                s = (s + 1) & mask
+            table[s] = n
 
 
 @njit(cache=True)

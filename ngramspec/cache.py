@@ -31,6 +31,7 @@ from ngramspec import _draft, _shared, _trie
 
 MAX_TOKEN = 2**31 - 1  # the largest token id: ids lie in [0, 2**31) (int32 storage; -1 marks "none")
 MAX_BUDGET = 4096  # draft nodes per request and step
+_PROMPT_CHUNK = 4096  # prompt tokens indexed per kernel call (the hash view grows between calls)
 
 
 @dataclass(frozen=True)
@@ -144,8 +145,11 @@ class NgramCache:
         self.max_requests = int(max_requests)
         self.use_shared = bool(use_shared)
         D = self.max_depth
-        self._l_nodes, self._l_table, self._l_meta = _trie.new_trie(int(local_nodes))
-        self._s_nodes, self._s_table, self._s_meta = _trie.new_trie(int(shared_nodes))
+        self._l_nodes, self._l_hash, self._l_meta = _trie.new_trie(int(local_nodes))
+        self._s_nodes, self._s_hash, self._s_meta = _trie.new_trie(int(shared_nodes))
+        # the kernels' views of the hash buffers, grown with the live nodes (`_trie.table_for`)
+        self._l_table = self._l_hash[: min(_trie.MIN_TABLE, self._l_hash.size)]
+        self._s_table = self._s_hash[: min(_trie.MIN_TABLE, self._s_hash.size)]
         self._s_root = int(_trie.alloc_node(self._s_nodes, self._s_table, self._s_meta, -1, -1, 0))
         self._l_meta[_trie.M_RESERVE] = int(max_requests)  # a root for every request that may still start
         self._arena, self._seg, self._ring = _shared.new_ring(int(shared_tokens), int(shared_segments))
@@ -200,7 +204,10 @@ class NgramCache:
         self._since[slot] = 0
         self._epoch_seen[slot] = -1
         self._set_hist(slot, np.empty(max(64, 2 * toks.size), dtype=np.int32))
-        self._append_flat(np.array((slot,), np.int64), toks, np.array((0, toks.size), np.int64))
+        slots = np.array((slot,), np.int64)
+        for start in range(0, toks.size, _PROMPT_CHUNK):  # chunks: the hash grows with what the prompt needs
+            part = toks[start:start + _PROMPT_CHUNK]
+            self._append_flat(slots, part, np.array((0, part.size), np.int64))
 
     def add_tokens(self, rid: Hashable, tokens) -> None:
         """Append tokens the model committed for ``rid`` (accepted draft tokens + the bonus token)."""
@@ -265,6 +272,7 @@ class NgramCache:
             out = np.array(self._hist_arrays[slot][self._prompt_len[slot]:self._hlens[slot]], dtype=np.int32)
             if out.size:
                 self._share_active[:] = -1
+                self._reserve_shared(out.size)
                 _shared.share_tokens(self._s_nodes, self._s_table, self._s_meta, self._s_root, self._arena,
                                      self._seg, self._ring, out, self.max_depth, self._share_active)
         _trie.free_subtree(self._l_nodes, self._l_table, self._l_meta, int(self._roots[slot]), self._scratch)
@@ -318,7 +326,7 @@ class NgramCache:
 
     def stats(self) -> dict:
         """Node and token usage, and the bytes held by the cache's arrays."""
-        nbytes = sum(a.nbytes for a in (self._l_nodes, self._l_table, self._s_nodes, self._s_table, self._arena,
+        nbytes = sum(a.nbytes for a in (self._l_nodes, self._l_hash, self._s_nodes, self._s_hash, self._arena,
                                         self._scratch))
         nbytes += sum(int(self._hist_arrays[s].nbytes) for s in self._slot_of.values())
         return {
@@ -330,7 +338,7 @@ class NgramCache:
             "shared_segments": int(self._ring[_shared.S_COUNT]),
             "shared_tokens_held": int(self._seg[self._held_segments(), 1].sum()),
             "bytes_allocated": int(nbytes),
-            "bytes_per_node": (_trie.NODE_FIELDS * 4 + 4 * self._l_table.size / self._l_nodes.shape[0]),
+            "bytes_per_node": (_trie.NODE_FIELDS * 4 + 4 * self._l_hash.size / self._l_nodes.shape[0]),
         }
 
     # ----------------------------------------------------------------------------------------------- inner
@@ -374,8 +382,25 @@ class NgramCache:
         that has to grow first."""
         self._append(_fix(slots, _I64), _fix(flat, _I32), _fix(offsets, _I64))
 
+    def _reserve(self, n_tokens: int) -> None:
+        """Make the own tries' hash view large enough for ``n_tokens`` more tokens (at most D new nodes each)."""
+        view = self._l_table
+        if 2 * (int(self._l_meta[_trie.M_LIVE]) + n_tokens * self.max_depth) > view.shape[0]:
+            view = _trie.table_for(self._l_hash, self._l_nodes, self._l_meta, view, n_tokens * self.max_depth)
+            if view is not self._l_table:
+                self._l_table = view
+                self._own_state = self._own_state._replace(table=view)
+
+    def _reserve_shared(self, n_tokens: int) -> None:
+        """`_reserve` for the shared trie."""
+        view = _trie.table_for(self._s_hash, self._s_nodes, self._s_meta, self._s_table, n_tokens * self.max_depth)
+        if view is not self._s_table:
+            self._s_table = view
+            self._shared_state = self._shared_state._replace(table=view)
+
     def _append(self, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
         """`_append_flat` for `_fixed` arrays."""
+        self._reserve(flat.shape[0])
         while True:
             code = self._append_kernel(slots, flat, offsets, self.max_depth, self._own_state, self._hists)
             if code == 0:

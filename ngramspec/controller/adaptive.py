@@ -693,14 +693,15 @@ class AdaptiveController:
 
     def _step_state(self, cache) -> StepState:
         """The `StepState` of ``cache`` and this controller, rebuilt when a part was replaced since the last step
-        (the pending pools, the cost tables or the scratch grown, the state loaded, another cache)."""
+        (the pending pools, the cost tables, the scratch or a hash view grown, the state loaded, another cache)."""
         st, p = self._st, self._st_parts
         if st is None or p[0] is not cache._own_state or p[1] is not self._pend or p[2] is not self._costs.state \
-                or p[3] is not self._sc or p[4] is not self.calibration:
+                or p[3] is not self._sc or p[4] is not self.calibration or p[5] is not cache._shared_state:
             st = self._st = _new_step_state(cache._own_state, cache._hists, cache._shared_state, self._pend,
                                             self.calibration, self.prior_mean, self._widths, self._costs.state,
                                             self._row, self._row_tmp, self._sc, self._trace)
-            self._st_parts = (cache._own_state, self._pend, self._costs.state, self._sc, self.calibration)
+            self._st_parts = (cache._own_state, self._pend, self._costs.state, self._sc, self.calibration,
+                              cache._shared_state)
             kind = typeof(st, Purpose.argument)
             if self._st_kind is None:
                 self._st_kind = kind
@@ -758,6 +759,8 @@ class AdaptiveController:
             clock, (obs_batch, _, obs_wi, obs_ms) = costs.clock + 1, obs
         lengths = np.empty(B, np.int64)
         append = toks.shape[0] > 0
+        if append and not dry:
+            cache._reserve(toks.shape[0])
         while True:
             code, n, wi, why, need_d, need_n, expected, cost = self._host_direct(
                 cslots, toks, offs, append, cache.max_depth, self._step_state(cache), bud, bool(tree),
