@@ -10,6 +10,8 @@ from ngramspec._trie import (
     CHILD,
     CNT,
     DEP,
+    M_CAP,
+    M_LIVE,
     NEXT,
     TAIL,
     TOK,
@@ -335,8 +337,9 @@ def append_batch(slots, flat, offsets, max_depth, own, hists):
     """Append each request's new tokens ``flat[offsets[i]:offsets[i+1]]`` to its history and index them in its
     own trie (O(D) per token); ``own``: `OwnState`, ``hists``: the histories. Checks first and changes nothing
     when a check fails: returns -1 - j when ``flat[j]`` is negative (not a token id), 1 + i for the first
-    request i whose history array has no room for its new tokens (the caller grows it and calls again), 0 when
-    the tokens were appended."""
+    request i whose history array has no room for its new tokens (the caller grows it and calls again), 1 + B
+    (B requests) when the trie's hash view could end up more than half full (at most D new nodes a token; the
+    caller grows the view, `_trie.table_for`, and calls again), 0 when the tokens were appended."""
     hlens = own.hlens
     for j in range(flat.shape[0]):
         if flat[j] < 0:
@@ -345,6 +348,9 @@ def append_batch(slots, flat, offsets, max_depth, own, hists):
         r = slots[i]
         if hlens[r] + offsets[i + 1] - offsets[i] > hists[r].shape[0]:
             return 1 + i
+    size = own.table.shape[0]  # a view smaller than 2 x capacity is a prefix of a larger buffer: it can grow
+    if 2 * (own.meta[M_LIVE] + flat.shape[0] * max_depth) > size and size < 2 * own.meta[M_CAP]:
+        return 1 + slots.shape[0]
     for i in range(slots.shape[0]):
         r = slots[i]
         hist = hists[r]

@@ -384,12 +384,10 @@ class NgramCache:
 
     def _reserve(self, n_tokens: int) -> None:
         """Make the own tries' hash view large enough for ``n_tokens`` more tokens (at most D new nodes each)."""
-        view = self._l_table
-        if 2 * (int(self._l_meta[_trie.M_LIVE]) + n_tokens * self.max_depth) > view.shape[0]:
-            view = _trie.table_for(self._l_hash, self._l_nodes, self._l_meta, view, n_tokens * self.max_depth)
-            if view is not self._l_table:
-                self._l_table = view
-                self._own_state = self._own_state._replace(table=view)
+        view = _trie.table_for(self._l_hash, self._l_nodes, self._l_meta, self._l_table, n_tokens * self.max_depth)
+        if view is not self._l_table:
+            self._l_table = view
+            self._own_state = self._own_state._replace(table=view)
 
     def _reserve_shared(self, n_tokens: int) -> None:
         """`_reserve` for the shared trie."""
@@ -400,7 +398,6 @@ class NgramCache:
 
     def _append(self, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
         """`_append_flat` for `_fixed` arrays."""
-        self._reserve(flat.shape[0])
         while True:
             code = self._append_kernel(slots, flat, offsets, self.max_depth, self._own_state, self._hists)
             if code == 0:
@@ -408,6 +405,9 @@ class NgramCache:
             if code < 0:
                 raise _NegativeToken(f"tokens: token id {int(flat[-1 - code])} is out of range "
                                      f"[0, {MAX_TOKEN + 1})")
+            if code == slots.shape[0] + 1:  # nothing was appended: the trie's hash view needs to grow first
+                self._reserve(flat.shape[0])
+                continue
             # nothing was appended: request code - 1 lacks room; grow its history (doubling) and try again
             i = code - 1
             slot = int(slots[i])

@@ -270,7 +270,7 @@ def _host_step(cslots, toks, offs, append, max_depth, st, budgets, tree, use_sha
                switch, ctr, explore_min, explore_frac, trace_len, clock, obs_batch, obs_wi, obs_ms, cost_alpha,
                cost_clip, dry=False):
     """`AdaptiveController.step` in one call, on the state bundles of ``st`` (`StepState`): with ``append``, the
-    committed tokens go to the cache (its ``append_batch``: on a negative token or a history without room it
+    committed tokens go to the cache (its ``append_batch``: on a negative token, a history or hash view without room it
     changes nothing and this returns its code); then a step duration reported since the last step (``obs_batch``
     > 0: batch size, width index, ms) goes to the cost model at sample ``clock``; then the cache proposes (its
     ``propose_batch`` into its output buffers, at the shared cache's epoch in ``ring``), then `_ctl_step`, which
@@ -759,8 +759,6 @@ class AdaptiveController:
             clock, (obs_batch, _, obs_wi, obs_ms) = costs.clock + 1, obs
         lengths = np.empty(B, np.int64)
         append = toks.shape[0] > 0
-        if append and not dry:
-            cache._reserve(toks.shape[0])
         while True:
             code, n, wi, why, need_d, need_n, expected, cost = self._host_direct(
                 cslots, toks, offs, append, cache.max_depth, self._step_state(cache), bud, bool(tree),
@@ -774,7 +772,7 @@ class AdaptiveController:
                 self._flatten(committed, rids)
                 raise ValueError(f"committed tokens: token id {int(toks[-1 - code])} is out of range "
                                  f"[0, {MAX_TOKEN + 1})")
-            cache._append(cslots, toks, offs)  # a history lacks room: the cache grows it and appends
+            cache._append(cslots, toks, offs)  # a history or the hash view lacks room: the cache grows it, appends
             append = False
         if dry:
             return None
