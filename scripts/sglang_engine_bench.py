@@ -151,7 +151,8 @@ def profile_snapshot(path: str) -> dict:
 def profile_delta(before: dict, after: dict) -> dict | None:
     """Per step: mean verify width, waiting / planning / launch host ms, over all kinds of step."""
     tot = {k: 0.0 for k in ("steps", "requests", "width", "wait_s", "plan_s", "launch_s", "forward_s", "graph_steps",
-                            "forwards", "prefetch_s", "views_s", "planner_s")}
+                            "forwards", "prefetch_s", "views_s", "planner_s", "verify_prepare_s", "verify_sample_s",
+                            "verify_after_s")}
     kinds, by_kind = {}, {}
     for kind, row in after.items():
         if kind.startswith("_"):
@@ -167,6 +168,10 @@ def profile_delta(before: dict, after: dict) -> dict | None:
                              "planner_ms": round(1e3 * d["planner_s"] / d["steps"], 3),
                              "launch_ms": round(1e3 * d["launch_s"] / d["steps"], 3),
                              "forward_call_ms": round(1e3 * d["forward_s"] / d["steps"], 3),
+                             # of launch_ms on verify steps: before the forward call, sampling, after sampling
+                             **({f"{p}_ms": round(1e3 * d[f"{p}_s"] / d["steps"], 3)
+                                 for p in ("verify_prepare", "verify_sample", "verify_after")} if kind == "verify"
+                                else {}),
                              "forwards_per_step": round(d["forwards"] / d["steps"], 3)}
         for k in tot:
             tot[k] += d[k]

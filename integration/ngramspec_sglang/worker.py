@@ -114,6 +114,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._backoff = PlanBackoff()  # plan less often while plans draft nothing
         self._next_roots: tuple | None = None  # (request ids, their last committed tokens on the device)
         self._forward_s = 0.0
+        self._verify_parts = (0.0, 0.0, 0.0)  # the last verify's host seconds: prepare, sample, after (profile)
         self._draft_log = _DraftLog.from_env(self._tp_group.rank_in_group)
         set_cpu_seq_lens_need(self._backends_need_cpu_seq_lens)
         self._gauges = None
@@ -420,7 +421,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
         if self._profile is not None:
             self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,
                               self._forward_s, result.can_run_cuda_graph, plan, self.planner.controller, forwards,
-                              parts=(t_views - t_pre, t_planner - t_views, t_planned - t_planner))
+                              parts=(t_views - t_pre, t_planner - t_views, t_planned - t_planner),
+                              verify_parts=self._verify_parts if plan.width > 1 else None)
         if self._draft_log is not None:
             self._draft_log.write(plan)
         return result
@@ -565,6 +567,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
             batch.seq_lens_sum = int(sum(seq_lens_host))
         elif batch.seq_lens_sum is None:
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        t_in = time.perf_counter()
         with get_spec().override(speculative_num_draft_tokens=width):
             try:
                 self._prepare_verify(batch, plan, batch.seq_lens_sum)
@@ -574,7 +577,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
                 batch_result = self.target_worker.forward_batch_generation(
                     batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
                 )
-                self._forward_s = time.perf_counter() - t
+                t_fwd = time.perf_counter()
+                self._forward_s = t_fwd - t
             finally:
                 batch.seq_lens_cpu, batch.seq_lens_sum = saved
             logits_output, can_run_cuda_graph = batch_result.logits_output, batch_result.can_run_cuda_graph
@@ -596,6 +600,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
                 verify_input, batch, logits_output, grammar_mask,
                 watermark_state=self.model_runner.watermark_state,
             )
+            t_sampled = time.perf_counter()
             new_seq_lens = batch.seq_lens + accept_lens
             commit_mamba_states_after_verify(self.target_worker, batch, accept_lens, accept_index, width)
             accept_tokens = predict[accept_index]
@@ -608,7 +613,11 @@ class NgramAdaptiveWorker(NGRAMWorker):
         if on_publish is not None:
             on_publish(new_seq_lens)
         batch.forward_mode = ForwardMode.DECODE
-        return self._result(logits_output, accept_tokens, accept_lens, new_seq_lens, can_run_cuda_graph, width)
+        result = self._result(logits_output, accept_tokens, accept_lens, new_seq_lens, can_run_cuda_graph, width)
+        # host seconds before the forward (mask, indices, cache locations), around the sampling, and after it
+        # (accepted tokens, KV moves, the result), for the profile
+        self._verify_parts = (t - t_in, t_sampled - t_fwd, time.perf_counter() - t_sampled)
+        return result
 
     def _forward_extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors):
         bs = len(batch.reqs)
@@ -671,9 +680,12 @@ class _HostProfile:
         row[3] = max(row[3], seconds)
 
     def add(self, width: int, batch_size: int, lagging: bool, wait_s: float, plan_s: float, launch_s: float,
-            forward_s: float, graph: bool, plan=None, controller=None, forwards: int = 1, parts=None) -> None:
+            forward_s: float, graph: bool, plan=None, controller=None, forwards: int = 1, parts=None,
+            verify_parts=None) -> None:
         """One step; ``parts``: seconds of plan_s spent in (prefetch, the request views: waiting for the previous
-        step's tokens when the step needs them, the first planner call)."""
+        step's tokens when the step needs them, the first planner call); ``verify_parts``: of a verify's launch_s,
+        the seconds before its forward call (mask, indices, cache locations), in its sampling and after it
+        (accepted tokens, KV moves, the result)."""
         key = ("plain-overlapped" if lagging else "plain") if width == 1 else "verify"
         if plan is not None:
             self.reasons[plan.reason] = self.reasons.get(plan.reason, 0) + 1
@@ -683,11 +695,15 @@ class _HostProfile:
                 self.expected[2] += float(plan.expected_tokens)
             self.controller = controller
             self.batches.add(batch_size)
-        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0])
+        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
         if parts is not None:
             row[9] += parts[0]
             row[10] += parts[1]
             row[11] += parts[2]
+        if verify_parts is not None:
+            row[12] += verify_parts[0]
+            row[13] += verify_parts[1]
+            row[14] += verify_parts[2]
         row[6] += forward_s
         row[7] += bool(graph)
         row[8] += forwards
@@ -702,7 +718,8 @@ class _HostProfile:
     def dump(self) -> None:
         out = {k: {"steps": r[0], "requests": r[1], "width": r[5], "wait_s": r[2], "plan_s": r[3], "launch_s": r[4],
                    "forward_s": r[6], "graph_steps": r[7], "forwards": r[8], "prefetch_s": r[9], "views_s": r[10],
-                   "planner_s": r[11]} for k, r in self.rows.items()}
+                   "planner_s": r[11], "verify_prepare_s": r[12], "verify_sample_s": r[13], "verify_after_s": r[14]}
+               for k, r in self.rows.items()}
         costs = {}
         estimates = getattr(getattr(self.controller, "costs", None), "row", None)
         if estimates is not None:
