@@ -7,9 +7,7 @@ every step's accepted tokens are padded to the largest width, whatever width it 
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
-from numba import njit
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from .drafting import RequestView
@@ -41,57 +39,6 @@ def full_verify_mask(tree_mask: torch.Tensor, seq_lens, seq_lens_sum: int | None
     out = torch.ones(total, dtype=torch.bool, device=device)
     out[index.reshape(-1)] = tree_mask.to(torch.bool).reshape(-1)
     return out
-
-
-@njit(cache=True)
-def fill_verify_inputs(tokens, mask, depths, retrieve_index, retrieve_next_token, retrieve_next_sibling, seq_lens,
-                       full, out_long, out_mask):
-    """A verify step's device inputs, written on the host into two flat buffers for one copy each: ``out_long``
-    (int64, at least 5 x bs x width) gets the draft tokens, positions (``seq_lens`` + depth), retrieve index, next
-    token and next sibling, each bs x width, in that order; ``out_mask`` (bool) the attention mask, either
-    `full_verify_mask`'s (``full``: per request `[width, seq_len + width]` rows) or the `[bs, width, width]` tree
-    mask. The layout arrays are `layout_flat`'s (bs x width; mask bs x width x width), which equal what SGLang's
-    tree-mask kernel derives on the device. Returns the mask's length."""
-    bs, w = tokens.shape
-    n = bs * w
-    for b in range(bs):
-        s = seq_lens[b]
-        for j in range(w):
-            k = b * w + j
-            out_long[k] = tokens[b, j]
-            out_long[n + k] = depths[b, j] + s
-            out_long[2 * n + k] = retrieve_index[b, j]
-            out_long[3 * n + k] = retrieve_next_token[b, j]
-            out_long[4 * n + k] = retrieve_next_sibling[b, j]
-    p = 0
-    for b in range(bs):
-        s = seq_lens[b] if full else 0
-        for i in range(w):
-            out_mask[p: p + s] = True
-            p += s
-            for j in range(w):
-                out_mask[p + j] = mask[b, i, j]
-            p += w
-    return p
-
-
-def host_verify_inputs(plan, seq_lens, full: bool, out_long: np.ndarray, out_mask: np.ndarray) -> int:
-    """`fill_verify_inputs` for a `StepPlan` and the requests' sequence lengths (host ints): the arrays as the
-    kernel takes them (no copies for a plan's own arrays). Returns the mask's length."""
-    i64 = np.int64
-    return fill_verify_inputs(np.ascontiguousarray(plan.tokens, i64), np.ascontiguousarray(plan.mask, np.bool_),
-                              np.ascontiguousarray(plan.depths, i64), np.ascontiguousarray(plan.retrieve_index, i64),
-                              np.ascontiguousarray(plan.retrieve_next_token, i64),
-                              np.ascontiguousarray(plan.retrieve_next_sibling, i64),
-                              np.asarray(seq_lens, i64), bool(full), out_long, out_mask)
-
-
-def warm_up_verify_inputs() -> None:
-    """Compile `fill_verify_inputs` (a worker calls this at start-up, not inside the first verify)."""
-    tokens = np.zeros((1, 2), np.int64)
-    mask = np.ones((1, 2, 2), np.bool_)
-    fill_verify_inputs(tokens, mask, tokens, tokens, tokens, tokens, np.ones(1, np.int64), True,
-                       np.empty(10, np.int64), np.empty(6, np.bool_))
 
 
 def padded_rows(accept_tokens: torch.Tensor, stride: int, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -64,24 +64,13 @@ from .algorithm import set_cpu_seq_lens_need
 from .backoff import PlanBackoff, plain_forwards
 from .config import resolve_config
 from .drafting import DraftPlanner
-from .relay import (
-    full_verify_mask,
-    host_verify_inputs,
-    next_draft_input,
-    padded_rows,
-    relayed_last_tokens,
-    request_views,
-    warm_up_verify_inputs,
-)
+from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens, request_views
 from .sched_profile import dump_periodically
 from .state import StateKeeper
 from .timing import StepTimer
 
 logger = logging.getLogger(__name__)
 _is_cpu = is_cpu()
-# the largest verify mask (bytes) built on the host and copied; a larger one (long contexts x wide batches) is built
-# on the device, where its size costs nothing to copy
-HOST_MASK_MAX = 1 << 20
 
 
 class NgramAdaptiveWorker(NGRAMWorker):
@@ -135,7 +124,6 @@ class NgramAdaptiveWorker(NGRAMWorker):
             self._gauges = NgramspecGauges()
         t0 = time.perf_counter()
         self.planner.warm_up()  # compile every numba kernel now, not inside the first request
-        warm_up_verify_inputs()
         logger.info("NGRAM_ADAPTIVE: widths %s, tree=%s, max_depth=%d, controller=%s (kernels ready in %.1f s)",
                     self.config.widths, self.config.tree, self.config.max_depth,
                     type(self.planner.controller).__name__, time.perf_counter() - t0)
@@ -179,15 +167,6 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self.retrieve_next_token = torch.empty(bs * w, **long)
         self.retrieve_next_sibling = torch.empty(bs * w, **long)
         self.tree_mask = torch.empty(bs * w * w, dtype=torch.bool, device=self.device)
-        # a verify's inputs built on the host (`host_verify_inputs`): pinned buffers, copied in two transfers into
-        # device buffers; the mask's pair grows on demand; the event marks the last copy out of the host buffers
-        pin = not _is_cpu
-        self._host_long = torch.empty(5 * bs * w, dtype=torch.int64, pin_memory=pin)
-        self._host_long_np = self._host_long.numpy()
-        self._dev_long = torch.empty(5 * bs * w, **long)
-        self._host_mask = self._host_mask_np = self._dev_mask = None
-        self._copied = None if _is_cpu else torch.get_device_module(self.device).Event()
-        self._copied_pending = False
         self._plain_ok = not _is_cpu and not hasattr(self.req_to_token_pool, "mamba_pool")
 
     def init_cuda_graphs(self):
@@ -530,34 +509,30 @@ class NgramAdaptiveWorker(NGRAMWorker):
         result.num_non_draft_tokens_per_req = forwards  # SGLang's accept rate counts drafts only
         return result
 
-    def _prepare_verify(self, batch: ScheduleBatch, plan, seq_lens_sum: int, seq_lens_host: list) -> None:
+    def _prepare_verify(self, batch: ScheduleBatch, plan, seq_lens_sum: int) -> None:
         bs, w = len(batch.reqs), plan.width
-        n = bs * w
-        mask_len = seq_lens_sum * w + w * w * bs
-        if not _is_cpu and mask_len <= HOST_MASK_MAX and sum(seq_lens_host) == seq_lens_sum:
-            # built on the host into pinned buffers, two copies: no mask or tree kernels, no pageable transfers
-            if self._copied_pending:
-                self._copied.synchronize()  # the last step's copies have left the host buffers
-            if self._host_mask is None or self._host_mask.shape[0] < mask_len:
-                size = max(1 << 16, 1 << (mask_len - 1).bit_length())
-                self._host_mask = torch.empty(size, dtype=torch.bool, pin_memory=True)
-                self._host_mask_np = self._host_mask.numpy()
-                self._dev_mask = torch.empty(size, dtype=torch.bool, device=self.device)
-            host_verify_inputs(plan, seq_lens_host, True, self._host_long_np, self._host_mask_np)
-            flat = self._dev_long[: 5 * n]
-            flat.copy_(self._host_long[: 5 * n], non_blocking=True)
-            custom_mask = self._dev_mask[:mask_len]
-            custom_mask.copy_(self._host_mask[:mask_len], non_blocking=True)
-            self._copied.record()
-            self._copied_pending = True
-            draft_tokens, positions = flat[:n], flat[n: 2 * n]
-            retrieve_index = flat[2 * n: 3 * n].view(bs, w)
-            retrieve_next_token = flat[3 * n: 4 * n].view(bs, w)
-            retrieve_next_sibling = flat[4 * n:].view(bs, w)
-        else:
-            draft_tokens, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling, custom_mask = \
-                self._device_verify_inputs(batch, plan, seq_lens_sum)
+        draft_tokens = self.draft_tokens[: bs * w]
+        positions = self.positions[: bs * w]
+        retrieve_index = self.retrieve_indexes[: bs * w].view(bs, w)
+        retrieve_next_token = self.retrieve_next_token[: bs * w].view(bs, w)
+        retrieve_next_sibling = self.retrieve_next_sibling[: bs * w].view(bs, w)
+        tree_mask = self.tree_mask[: bs * w * w]
+        mask_host = np.ascontiguousarray(plan.mask, dtype=np.bool_).reshape(-1)
+        if not mask_host.flags.writeable:  # a width-1 plan's shared mask: torch wants arrays it may write
+            mask_host = mask_host.copy()
+        tokens_host = np.ascontiguousarray(plan.tokens, dtype=np.int64).reshape(-1)
+        tree_mask.copy_(torch.from_numpy(mask_host), non_blocking=True)
+        draft_tokens.copy_(torch.from_numpy(tokens_host), non_blocking=True)
         self.grammar_tree_host = plan if batch.has_grammar else None
+        # SGLang's own kernel derives positions and retrieve arrays from the mask on device
+        # (tests check our host arrays equal what it derives).
+        reconstruct_indices_from_tree_mask_func(
+            tree_mask, batch.seq_lens, positions, retrieve_index, retrieve_next_token,
+            retrieve_next_sibling, bs, w,
+        )
+        custom_mask = tree_mask
+        if not _is_cpu:  # full mask [w, seq_len + w] per request, as NGRAMWorker (USE_FULL_MASK), built on device
+            custom_mask = full_verify_mask(tree_mask.view(bs, w, w), batch.seq_lens[:bs], seq_lens_sum)
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = draft_tokens
         batch.out_cache_loc = assign_extend_cache_locs_func(
@@ -580,33 +555,6 @@ class NgramAdaptiveWorker(NGRAMWorker):
             draft_token_num=w,
         )
 
-    def _device_verify_inputs(self, batch: ScheduleBatch, plan, seq_lens_sum: int) -> tuple:
-        """The verify's inputs built on the device from the tree mask, as SGLang's NGRAM worker does (the CPU
-        backend's tree-only mask; masks too large to copy)."""
-        bs, w = len(batch.reqs), plan.width
-        draft_tokens = self.draft_tokens[: bs * w]
-        positions = self.positions[: bs * w]
-        retrieve_index = self.retrieve_indexes[: bs * w].view(bs, w)
-        retrieve_next_token = self.retrieve_next_token[: bs * w].view(bs, w)
-        retrieve_next_sibling = self.retrieve_next_sibling[: bs * w].view(bs, w)
-        tree_mask = self.tree_mask[: bs * w * w]
-        mask_host = np.ascontiguousarray(plan.mask, dtype=np.bool_).reshape(-1)
-        if not mask_host.flags.writeable:  # a width-1 plan's shared mask: torch wants arrays it may write
-            mask_host = mask_host.copy()
-        tokens_host = np.ascontiguousarray(plan.tokens, dtype=np.int64).reshape(-1)
-        tree_mask.copy_(torch.from_numpy(mask_host), non_blocking=True)
-        draft_tokens.copy_(torch.from_numpy(tokens_host), non_blocking=True)
-        # SGLang's own kernel derives positions and retrieve arrays from the mask on device
-        # (tests check our host arrays equal what it derives).
-        reconstruct_indices_from_tree_mask_func(
-            tree_mask, batch.seq_lens, positions, retrieve_index, retrieve_next_token,
-            retrieve_next_sibling, bs, w,
-        )
-        custom_mask = tree_mask
-        if not _is_cpu:  # full mask [w, seq_len + w] per request, as NGRAMWorker (USE_FULL_MASK), built on device
-            custom_mask = full_verify_mask(tree_mask.view(bs, w, w), batch.seq_lens[:bs], seq_lens_sum)
-        return draft_tokens, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling, custom_mask
-
     def _forward_verify(self, batch: ScheduleBatch, plan, seq_lens_host: list, on_publish, pp_proxy_tensors):
         """A verify at ``plan.width``. ``seq_lens_host``: each request's tokens in the KV cache, known on the host
         from the exact tokens this step waited for (lent to the batch for this forward if the relay left it
@@ -622,7 +570,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         t_in = time.perf_counter()
         with get_spec().override(speculative_num_draft_tokens=width):
             try:
-                self._prepare_verify(batch, plan, batch.seq_lens_sum, seq_lens_host)
+                self._prepare_verify(batch, plan, batch.seq_lens_sum)
                 set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
                 verify_input: NgramVerifyInput = batch.spec_info
                 t = time.perf_counter()

@@ -127,49 +127,6 @@ def test_full_verify_mask_sized_from_a_host_sum_without_reading_device_lengths()
     assert got.numel() == 4 * 2 + 2 * 2 * 2
 
 
-def test_host_verify_inputs_equal_the_device_construction():
-    """The host-built verify inputs (one int64 buffer, one mask) equal what the device path derives: the plan's
-    layout arrays (which equal SGLang's tree-mask kernel, test_sglang_layout.py), positions = sequence length +
-    depth, and `full_verify_mask` (full) or the tree mask (the CPU backend's). Buffers larger than needed keep
-    their tail untouched."""
-    import numpy as np
-
-    from ngramspec.layout import tree_layout
-    from ngramspec_sglang.drafting import StepPlan
-    from ngramspec_sglang.relay import full_verify_mask, host_verify_inputs
-
-    rng = np.random.default_rng(3)
-    for case in range(60):
-        bs, width = int(rng.integers(1, 6)), int(rng.integers(1, 17))
-        drafts = []
-        for _ in range(bs):
-            size = int(rng.integers(0, width))
-            parents = np.array([int(rng.integers(-1, j)) for j in range(size)], np.int64)
-            drafts.append((rng.integers(1, 50, size=size).astype(np.int64), parents))
-        lay = tree_layout(drafts, rng.integers(1, 50, size=bs), width)
-        plan = StepPlan(width, np.array([len(d[0]) for d in drafts]), 1.0, "best", lay.tokens, lay.mask, lay.depths,
-                        lay.retrieve_index, lay.retrieve_next_token, lay.retrieve_next_sibling)
-        seq = [int(x) for x in rng.integers(0 if case % 7 else 1, 60, size=bs)]
-        n = bs * width
-        for full in (True, False):
-            out_long = np.full(5 * n + 3, -7, np.int64)
-            out_mask = np.zeros(sum(seq) * width + width * width * bs + 5, np.bool_)
-            out_mask[-5:] = True
-            size = host_verify_inputs(plan, seq, full, out_long, out_mask)
-            tree = torch.from_numpy(np.ascontiguousarray(lay.mask, np.bool_))
-            want = full_verify_mask(tree, torch.tensor(seq)) if full else tree.reshape(-1)
-            assert size == want.numel()
-            np.testing.assert_array_equal(out_mask[:size], want.numpy())
-            assert not out_mask[size:-5].any() and out_mask[-5:].all()
-            parts = out_long[: 5 * n].reshape(5, bs, width)
-            np.testing.assert_array_equal(parts[0], lay.tokens)
-            np.testing.assert_array_equal(parts[1], lay.depths + np.array(seq)[:, None])
-            np.testing.assert_array_equal(parts[2], lay.retrieve_index)
-            np.testing.assert_array_equal(parts[3], lay.retrieve_next_token)
-            np.testing.assert_array_equal(parts[4], lay.retrieve_next_sibling)
-            assert (out_long[5 * n:] == -7).all()
-
-
 def test_relayed_last_tokens_reads_each_requests_last_accepted_token(sglang_parts):
     from ngramspec_sglang.relay import relayed_last_tokens
 
