@@ -9,7 +9,10 @@ often the float32 argmax agrees with plain's output before that position (a chec
 A gap of a few hundredths of a logit is a near-tie: float16 kernels that sum in a different order (other batch
 sizes, verify widths, attention over a tree mask) can flip it; a large gap would point at a real bug.
 
-    .venv/bin/python scripts/sglang_tie_margins.py out/smollm2_h200.json
+    .venv/bin/python scripts/sglang_tie_margins.py out/smollm2_h200.json [PLAIN.json]
+
+PLAIN.json: take plain decoding's outputs from another result of the same call (`scripts/sglang_ab.sh` writes the
+reference version's configurations to ref.json and plain decoding to this.json).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from ngramspec.engine.model import load_model  # noqa: E402
 
 def main() -> int:
     results = json.load(open(sys.argv[1]))
+    if len(sys.argv) > 2:
+        results = {**results, "plain": json.load(open(sys.argv[2]))["plain"]}
     model, tok = load_model(device="cpu", dtype=torch.float32)
     model.eval()
     texts = {"copy": COPY_PROMPTS, "free": FREE_PROMPTS}
