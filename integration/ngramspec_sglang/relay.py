@@ -80,16 +80,22 @@ def relayed_last_tokens(spec_info, batch_size: int) -> torch.Tensor | None:
     return tokens.view(batch_size, stride).gather(1, last).view(batch_size).to(torch.int64)
 
 
-def request_views(batch, use_prev_tokens: bool) -> list[RequestView]:
+def request_views(batch, use_prev_tokens: bool, relayed_rids=None) -> list[RequestView]:
     """One view per request of a decode batch. Under overlap the previous step's tokens are still on the device:
-    ``use_prev_tokens`` waits for them and adds them as pending; without it the views end one step behind."""
+    ``use_prev_tokens`` waits for them and adds them as pending; without it the views end one step behind.
+
+    Only the previous forward's requests (``relayed_rids``, a set; None: every request) have tokens the scheduler
+    has not processed yet. A request that joins them from another batch (the running requests when a prefill ran
+    in between) already has its relayed tokens in its output: its row of the relay repeats them."""
     bs = len(batch.reqs)
     pending = [()] * bs
     if use_prev_tokens:
         tokens = batch.spec_info.accept_tokens.cpu().tolist()
         lens = batch.spec_info.accept_lens.cpu().tolist()
         stride = len(tokens) // bs
-        pending = [tokens[i * stride: i * stride + lens[i]] for i in range(bs)]
+        pending = [tokens[i * stride: i * stride + lens[i]]
+                   if relayed_rids is None or req.rid in relayed_rids else ()
+                   for i, req in enumerate(batch.reqs)]
     return [
         RequestView(req.rid, req.origin_input_ids_unpadded, req.output_ids, pending[i])
         for i, req in enumerate(batch.reqs)

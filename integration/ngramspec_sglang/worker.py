@@ -95,6 +95,9 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self.adaptive_controller = None
         self.grammar_tree_host: Optional[tuple] = None
         self._prev_decode_rids: set = set()
+        # the requests of the last forward (decode or prefill): only their tokens are still on the device when
+        # the next decode step starts (the scheduler processed every earlier result): `request_views`
+        self._relayed_rids: set = set()
         self._tp_group = get_parallel().tp_group
         self._max_requests = 2 * max(1024, get_schedule().max_running_requests or 0)
         self.planner = self._new_planner()
@@ -321,6 +324,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         if self._state is not None:
             self._state.load(self.planner.controller)
         self._prev_decode_rids = set()
+        self._relayed_rids = set()
         self._timer.interrupt()
         self._drafted_last = False
         self._backoff.reset()
@@ -365,6 +369,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
         current_rids = set(rids)
         self.planner.release(self._prev_decode_rids - current_rids)
         self._prev_decode_rids = current_rids
+        relayed_rids, self._relayed_rids = self._relayed_rids, current_rids
         self._timer.harvest()
         relayed = self.enable_overlap and not batch.grammar_needs_sync()  # previous tokens still on the device
         plain_fits = self._decode_state is not None and self._plain_decode_fits(batch)
@@ -388,7 +393,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
             # the views wait for the previous step's tokens: meanwhile warm the CPU caches for planning on them
             self.planner.prefetch(rids)
         t_views = time.perf_counter()
-        views = request_views(batch, relayed and not lagging)
+        views = request_views(batch, relayed and not lagging, relayed_rids)
         t_planner = time.perf_counter()
         # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
         plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last)
@@ -397,7 +402,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
             roots = self._last_tokens(batch, rids)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
             t1 = time.perf_counter()
-            views = request_views(batch, True)
+            views = request_views(batch, True, relayed_rids)
             waited = time.perf_counter() - t1
             plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last)
             lagging = False
@@ -621,6 +626,7 @@ class NgramAdaptiveWorker(NGRAMWorker):
 
     def _forward_extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors):
         bs = len(batch.reqs)
+        self._relayed_rids = {req.rid for req in batch.reqs}
         state = self._width_states.get(self.max_width)
         if state is not None:  # prefill runs on the start-up backend (a decode step may have swapped it)
             self._activate(state, self.max_width)

@@ -51,6 +51,34 @@ def test_relay_carries_each_steps_tokens_whatever_the_width(sglang_parts):
         assert [list(v.pending) for v in views] == accepted
 
 
+def test_requests_that_join_after_a_prefill_do_not_count_their_relayed_tokens_twice(sglang_parts):
+    """Decode [a, b], then a prefill of c (the scheduler processes the decode's result meanwhile: a and b's tokens
+    reach their outputs), then the merged decode [a, b, c]: the relay still holds a and b's last tokens, but only
+    c's (its prefill token) are pending. Counting a and b's again put their committed length (and so the verify's
+    positions and the drafts' context) one step ahead of their KV cache."""
+    from ngramspec_sglang.relay import request_views
+
+    algo, RelayPayload, NgramVerifyInput = sglang_parts
+    pool = SimpleNamespace(req_to_token=torch.zeros(8, 64, dtype=torch.int32))
+    future_map = algo.create_future_map(torch.device("cpu"), pool, needs_cpu_seq_lens=False)
+    a = SimpleNamespace(rid="a", origin_input_ids_unpadded=[1, 2], output_ids=[3])
+    b = SimpleNamespace(rid="b", origin_input_ids_unpadded=[4], output_ids=[5])
+    c = SimpleNamespace(rid="c", origin_input_ids_unpadded=[6, 7, 8], output_ids=[])
+    future_map.stash(torch.tensor([3, 5]), RelayPayload.from_ngram(step_output([[9, 8], [6]], 4)))
+    future_map.stash(torch.tensor([6]), RelayPayload.from_ngram(step_output([[4]], 1)))  # c's prefill
+    a.output_ids += [9, 8]
+    b.output_ids += [6]
+    slots = torch.tensor([3, 5, 6])
+    batch = SimpleNamespace(reqs=[a, b, c], spec_info=NgramVerifyInput(future_indices=slots, new_seq_lens=slots))
+    future_map._resolve_spec_extras(batch)
+    views = request_views(batch, use_prev_tokens=True, relayed_rids={"c"})
+    assert [list(v.pending) for v in views] == [[], [], [4]]
+    assert [v.committed_len for v in views] == [5, 3, 4]
+    assert [v.last_token() for v in views] == [8, 6, 4]
+    # every row counted as pending: a and b ahead by their last step's tokens
+    assert [v.committed_len for v in request_views(batch, use_prev_tokens=True)] == [7, 4, 4]
+
+
 def test_a_relay_at_the_step_width_would_break(sglang_parts):
     """Why the stride stays at the largest width: SGLang sizes the relay buffer from the first payload."""
     algo, RelayPayload, NgramVerifyInput = sglang_parts
