@@ -7,7 +7,7 @@
 # installs this checkout into $GPUKIT_RUN/proj. THIS_FIRST=1 runs this checkout's servers first (server processes
 # started later in a call have run at a different host speed: run both orders, or read the host-time table, which
 # puts SGLang's own per-step host work beside the plugin's).
-#   [THIS_FIRST=1] bash scripts/sglang_ab.sh MODEL_DIR REF_SRC
+#   [THIS_FIRST=1] [CONC="1 16"] [EXTRA=JSON_WITHOUT_SPACES] bash scripts/sglang_ab.sh MODEL_DIR REF_SRC
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODEL=$1; REF=$2; OUT=${OUT:-out/sglang}; W=${GPUKIT_RUN:?source .gpukit/device/env.sh first}
@@ -15,7 +15,7 @@ mkdir -p "$OUT/ab"
 rm -rf "$W/projref" && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
   --target "$W/projref" "$REF" || exit 5
 BENCH="python3 scripts/sglang_engine_bench.py --model $MODEL --dtype float16 --prompts-per-set 16 --max-new-tokens 256
-  --concurrency 1 16 --timeout 300 --sched-profile"
+  --concurrency ${CONC:-1 16} --timeout 300 --sched-profile ${EXTRA:+--extra $EXTRA}"
 BASE=${PYTHONPATH:?}
 run_ref() {
   PYTHONPATH=${BASE//$W\/proj/$W\/projref} $BENCH --configs adaptive --out "$OUT/ab/ref.json" --logs "$OUT/ab/logs_ref" \
