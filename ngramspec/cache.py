@@ -167,6 +167,7 @@ class NgramCache:
         self._scratch = np.empty(int(local_nodes), dtype=np.int32)
         self._share_active = np.full(D, -1, dtype=np.int32)
         self._slot_of: dict[Hashable, int] = {}
+        self._slots_gen = 0  # counts changes of _slot_of (a caller's cached slots of a batch are valid while it holds)
         self._free_slots = list(range(R - 1, -1, -1))
         self._out = None  # reused output buffers of _propose_slots, grown on demand
         self._out_views: dict[tuple[int, int], tuple] = {}  # views of them per (batch size, budget)
@@ -196,6 +197,7 @@ class NgramCache:
         self._l_meta[_trie.M_RESERVE] -= 1
         slot = self._free_slots.pop()
         self._slot_of[rid] = slot
+        self._slots_gen += 1
         self._roots[slot] = root
         self._hlens[slot] = 0
         self._prompt_len[slot] = toks.size
@@ -281,6 +283,7 @@ class NgramCache:
         self._set_hist(slot, np.zeros(1, dtype=np.int32))
         self._hlens[slot] = 0
         del self._slot_of[rid]
+        self._slots_gen += 1
         self._free_slots.append(slot)
 
     # ------------------------------------------------------------------------------------------ inspection

@@ -359,3 +359,49 @@ def test_prefetch_ignores_what_it_cannot_warm():
         ctl.prefetch(cache, rids)
     ctl.prefetch(cache, ["a", "b"])
     assert _same(_state(cache, ctl), before)
+
+
+def test_a_batchs_slots_are_reused_only_while_its_requests_keep_them():
+    """`step` keeps the slots of the last batch's ids: reused while neither the controller nor the cache started or
+    finished a request, whatever list object holds the ids (one changed in place included). Requests that finish
+    and start again under the same ids get new slots in both; drafts and plans equal a run that never reuses."""
+    def run(reuse):
+        rng = np.random.default_rng(5)
+        docs = [rng.integers(0, 40, 120).tolist() for _ in range(3)]
+        cache, ctl = NgramCache(max_depth=8), AdaptiveController()
+        ids = ["a", "b", "c"]
+        for i, r in enumerate(ids):
+            cache.start_request(r, docs[i][:60])
+            ctl.start(r)
+        pos = {r: 60 for r in ids}
+        log = []
+        for step in range(60):
+            if step % 9 == 4:  # one request ends and another starts under the same id, in other slots
+                r = ids[step % 3]
+                cache.finish_request(r)
+                ctl.finish(r)
+                cache.start_request("other", docs[0][:20])  # takes the freed slots
+                ctl.start("other")
+                d = int(rng.integers(0, 3))
+                cache.start_request(r, docs[d][:30])
+                ctl.start(r)
+                cache.finish_request("other")
+                ctl.finish("other")
+                pos[r] = 30
+            if step % 11 == 6:  # the same list object, changed in place
+                ids[0], ids[2] = ids[2], ids[0]
+            if not reuse:
+                ctl._batch_slots = None
+            commits = [np.asarray(docs[j % 3][pos[r]:pos[r] + 1 + step % 2], np.int32) for j, r in enumerate(ids)]
+            for j, r in enumerate(ids):
+                pos[r] += len(commits[j])
+            b, p = ctl.step(cache, ids, commits)
+            ctl.observe_step(len(ids), p.width, PROFILE.cost_ms(len(ids), p.width))
+            log.append((p.width, p.lengths.tolist(), b.tokens.tolist(), b.offsets.tolist(), b.match_lens.tolist()))
+        return log, ctl
+
+    reused, ctl = run(True)
+    fresh, _ = run(False)
+    assert reused == fresh
+    assert ctl._batch_slots is not None and ctl._batch_slots[3] == ["c", "b", "a"]
+    assert any(len(t) for _, _, t, _, _ in reused)  # drafts were made: the comparison covers slots in use

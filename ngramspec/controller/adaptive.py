@@ -375,6 +375,9 @@ class AdaptiveController:
                                           (2, 6, 4, 4)).reshape(-1).copy()
         # per-request state in slots: recent success (-1: unknown) and the pool of pending drafts
         self._slot_of: dict[Hashable, int] = {}
+        self._slots_gen = 0  # counts changes of _slot_of
+        # the last batch's slots (`_fast_slots`): (cache, both generations, a copy of its ids, the two arrays)
+        self._batch_slots: tuple | None = None
         self._free: list[int] = []
         self._pend = Pending.empty()
         # per-step scratch, grown on demand
@@ -416,6 +419,7 @@ class AdaptiveController:
             if s >= self._pend.success.shape[0]:
                 self._pend = self._pend.grow_slots(2 * self._pend.success.shape[0])
         self._slot_of[rid] = s
+        self._slots_gen += 1
         pend = self._pend
         pend.success[s] = -1.0
         pend.run[s] = 0
@@ -426,6 +430,7 @@ class AdaptiveController:
         s = self._slot_of.pop(rid, None)
         if s is None:
             raise KeyError(f"unknown request id {rid!r}")
+        self._slots_gen += 1
         self._pend.nd[s] = 0
         self._pend.nn[s] = 0
         self._free.append(s)
@@ -720,11 +725,17 @@ class AdaptiveController:
                 slots[0] = so[rid]
                 cslots[0] = cso[rid]
                 return slots, cslots
+            k = self._batch_slots  # a decode batch mostly keeps its requests from one step to the next
+            if k is not None and k[0] is cache and k[1] == self._slots_gen and k[2] == cache._slots_gen \
+                    and k[3] == rids:
+                return k[4]
             B = len(rids)
             if len(set(rids)) != B:
                 return None
-            return np.fromiter(map(so.__getitem__, rids), np.int64, B), np.fromiter(map(cso.__getitem__, rids),
-                                                                                   np.int64, B)
+            pair = (np.fromiter(map(so.__getitem__, rids), np.int64, B),
+                    np.fromiter(map(cso.__getitem__, rids), np.int64, B))
+            self._batch_slots = (cache, self._slots_gen, cache._slots_gen, list(rids), pair)
+            return pair
         except (KeyError, TypeError):
             return None
 
