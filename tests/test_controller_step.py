@@ -242,6 +242,35 @@ def test_step_follows_every_replaced_part_of_its_state():
     assert len({e[0] for e in logs[0][0]}) > 1
 
 
+def test_step_follows_batches_larger_than_any_before():
+    """The step's bundle holds the cache's output buffers, the budgets and the scratch with room for the largest
+    batch so far; a larger batch (here past every initial size: 64 and the buffers' 1,024 nodes) must grow them
+    first, and smaller batches after it must still read only their own rows. Same drafts and plans as verb by
+    verb."""
+    rng = np.random.default_rng(11)
+    period = rng.integers(0, 500, 30).tolist()
+    sizes = [1, 3, 70, 2, 100, 1, 65, 4]
+    logs = []
+    for mode in ("step", "verbs"):
+        cache, ctl = NgramCache(max_depth=16), AdaptiveController()
+        for rid in range(100):
+            cache.start_request(rid, period * 3 + [rid])
+            ctl.start(rid)
+        log = []
+        for step in range(48):
+            rids = list(range(sizes[step % len(sizes)]))
+            commits = [period[(step + r) % 28:(step + r) % 28 + 1] for r in rids]
+            if mode == "step":
+                b, p = ctl.step(cache, rids, commits, waiting=1)
+            else:
+                b, p = _verbwise(ctl, cache, rids, commits, 1)
+            ctl.observe_step(len(rids), p.width, PROFILE.cost_ms(len(rids), p.width))
+            log.append((p.width, p.lengths.tolist(), p.expected, p.reason, b.tokens.tolist(), b.offsets.tolist()))
+        logs.append((log, ctl.decisions()))
+    assert logs[0] == logs[1]
+    assert max(len(e[4]) for e in logs[0][0]) > 1024  # a proposal larger than the initial buffers
+
+
 def _small_run(requests, seed, at_step, change):
     """``requests`` requests stepped 40 times over a repeating text; ``change(ctl)`` before step ``at_step``.
     Returns (the log of plans and drafts, the controller)."""

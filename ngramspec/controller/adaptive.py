@@ -235,21 +235,24 @@ class _StepStateType(types.StructRef):
 
 class StepState(structref.StructRefProxy):
     """Every state bundle `_host_step` reads or writes, the cache's and the controller's, as one numba StructRef:
-    a call unboxes one pointer instead of some sixty arrays (about 1 us instead of 5 per step). It refers to the
-    arrays, it does not copy them; `AdaptiveController._step_state` builds a new one when a part is replaced (a
-    pool or table grown, another cache)."""
+    a call unboxes one pointer instead of some seventy arrays (about 1 us instead of 5 per step), with the cache's
+    output buffers, budgets and constants. It refers to the arrays, it does not copy them;
+    `AdaptiveController._step_state` builds a new one when a part is replaced (a pool or table grown, another
+    cache) or a batch is larger than its buffers hold."""
 
 
 _STEP_FIELDS = ("own", "hists", "shared", "pend", "cal", "prior_mean", "widths", "cstate", "row", "tmp", "sc",
-                "trace")
+                "trace", "ctr", "ring", "out", "bud", "max_depth", "use_shared", "trace_len")
 structref.define_constructor(StepState, _StepStateType, _STEP_FIELDS)
 structref.define_boxing(_StepStateType, StepState)
 
 
 @njit(cache=True)
-def _new_step_state(own, hists, shared, pend, cal, prior_mean, widths, cstate, row, tmp, sc, trace):
+def _new_step_state(own, hists, shared, pend, cal, prior_mean, widths, cstate, row, tmp, sc, trace, ctr, ring, out,
+                    bud, max_depth, use_shared, trace_len):
     """A `StepState` (built in compiled code: the proxy's own constructor is compiled anew in every process)."""
-    return StepState(own, hists, shared, pend, cal, prior_mean, widths, cstate, row, tmp, sc, trace)
+    return StepState(own, hists, shared, pend, cal, prior_mean, widths, cstate, row, tmp, sc, trace, ctr, ring, out,
+                     bud, max_depth, use_shared, trace_len)
 
 
 @njit(cache=True)
@@ -265,9 +268,8 @@ def _count_decision(ctr, why):
 
 
 @njit(cache=True)
-def _host_step(cslots, toks, offs, append, max_depth, st, budgets, tree, use_shared, ring, o_tok, o_par, o_prob,
-               o_src, offsets, mlens, slots, alpha, strength, stale_after, draining, min_gain, optimism, lengths,
-               switch, ctr, explore_min, explore_frac, trace_len, clock, obs_batch, obs_wi, obs_ms, cost_alpha,
+def _host_step(cslots, toks, offs, append, st, tree, slots, alpha, strength, stale_after, draining, min_gain,
+               optimism, lengths, switch, explore_min, explore_frac, clock, obs_batch, obs_wi, obs_ms, cost_alpha,
                cost_clip, dry=False):
     """`AdaptiveController.step` in one call, on the state bundles of ``st`` (`StepState`): with ``append``, the
     committed tokens go to the cache (its ``append_batch``: on a negative token, a history or hash view without room it
@@ -281,16 +283,23 @@ def _host_step(cslots, toks, offs, append, max_depth, st, budgets, tree, use_sha
     ``dry``: the same proposal and width choice on the tokens the cache already holds, with no tokens appended,
     no duration observed, no draft queued, decided or traced (``offs`` of one entry: no shadow evaluation): it
     only warms the CPU caches for a real step, with the code and data that step will use. (The proposal resets
-    the cache's incremental match bounds, which only bound work: drafts never depend on them.)"""
-    own, hists = st.own, st.hists
+    the cache's incremental match bounds, which only bound work: drafts never depend on them.)
+
+    The cache's output buffers (``st.out``), budgets (``st.bud``), shared-cache ring, depth and the counters come
+    from ``st`` too; their first ``B`` (``B + 1``) entries are this step's."""
+    own, hists, ctr, max_depth, trace_len = st.own, st.hists, st.ctr, st.max_depth, st.trace_len
+    B = cslots.shape[0]
+    o_tok, o_par, o_prob, o_src, offsets, mlens = st.out
+    offsets = offsets[:B + 1]
+    mlens = mlens[:B]
     if append and not dry:
         code = append_batch(cslots, toks, offs, max_depth, own, hists)
         if code != 0:
             return code, 0, -1, -1, 0, 0, 0.0, 0.0
     if obs_batch > 0 and not dry:
         _cost_observe(st.cstate, obs_batch, obs_wi, obs_ms, cost_alpha, cost_clip, clock, stale_after)
-    n = propose_batch(cslots, budgets, tree, max_depth, use_shared, ring[_S_EPOCH], own, hists, st.shared, o_tok,
-                      o_par, o_prob, o_src, offsets, mlens)
+    n = propose_batch(cslots, st.bud[:B], tree, max_depth, st.use_shared, st.ring[_S_EPOCH], own, hists, st.shared,
+                      o_tok, o_par, o_prob, o_src, offsets, mlens)
     n1 = ctr[C_STEPS] + 1
     may_explore = ctr[C_EXPLORED] < explore_min + explore_frac * n1
     may_remeasure = stale_after > 0 and ctr[C_REMEASURED] * stale_after < n1
@@ -389,6 +398,7 @@ class AdaptiveController:
         self._host_direct = _Direct(self, "_host_direct", _host_step)
         self._st = None  # the StepState of the last step and the parts it was built from
         self._st_parts = ()
+        self._st_cap = 0  # the largest batch it has room for
         self._st_kind = None  # its numba type, which the compiled entry point of `_host_direct` takes
         self._step_direct = _Direct(self, "_step_direct", _step_kernel)
         self._off_buf = np.zeros(9, np.int64)
@@ -696,17 +706,30 @@ class AdaptiveController:
             if slots is not None:
                 self._run_step(cache, rids, slots[0], slots[1], None, None, True, dry=True)
 
-    def _step_state(self, cache) -> StepState:
-        """The `StepState` of ``cache`` and this controller, rebuilt when a part was replaced since the last step
-        (the pending pools, the cost tables, the scratch or a hash view grown, the state loaded, another cache)."""
+    def _step_state(self, cache, B: int) -> StepState:
+        """The `StepState` of ``cache`` and this controller for a batch of ``B`` requests, rebuilt when a part was
+        replaced since the last step (the pending pools, the cost tables, the scratch or a hash view grown, the
+        state loaded, another cache) or is too small for ``B`` (then grown first: the cache's output buffers and
+        budgets, the scratch, the cost prior's rows)."""
         st, p = self._st, self._st_parts
-        if st is None or p[0] is not cache._own_state or p[1] is not self._pend or p[2] is not self._costs.state \
-                or p[3] is not self._sc or p[4] is not self.calibration or p[5] is not cache._shared_state:
+        if st is None or B > self._st_cap or p[0] is not cache._own_state or p[1] is not self._pend \
+                or p[2] is not self._costs.state or p[3] is not self._sc or p[4] is not self.calibration \
+                or p[5] is not cache._shared_state or p[6] is not cache._out:
+            budget, costs = self._budget, self._costs
+            cap = max(B, self._st_cap, 64)
+            cache._propose_buffers(cap, budget)
+            bud = cache._uniform_budgets(budget, cap)
+            if cap * budget > self._sc.cells.shape[0] or cap > self._sc.G.shape[0]:
+                self._scratch(cap, cap * budget)
+            if B >= costs._prior_rows:
+                costs._ensure(B)
             st = self._st = _new_step_state(cache._own_state, cache._hists, cache._shared_state, self._pend,
-                                            self.calibration, self.prior_mean, self._widths, self._costs.state,
-                                            self._row, self._row_tmp, self._sc, self._trace)
-            self._st_parts = (cache._own_state, self._pend, self._costs.state, self._sc, self.calibration,
-                              cache._shared_state)
+                                            self.calibration, self.prior_mean, self._widths, costs.state,
+                                            self._row, self._row_tmp, self._sc, self._trace, self._ctr, cache._ring,
+                                            cache._out, bud, cache.max_depth, cache.use_shared, self._trace_len)
+            self._st_parts = (cache._own_state, self._pend, costs.state, self._sc, self.calibration,
+                              cache._shared_state, cache._out, bud)
+            self._st_cap = min(cap, costs._prior_rows - 1)
             kind = typeof(st, Purpose.argument)
             if self._st_kind is None:
                 self._st_kind = kind
@@ -755,14 +778,7 @@ class AdaptiveController:
                 toks, offs = self._flatten(committed, rids, negatives_ok=True)
             if not toks.shape[0]:
                 toks, offs = _NO_TOKENS, _NO_OFFSETS
-        budget = self._budget
-        o_tok, o_par, o_prob, o_src, offsets, mlens, bud = cache._propose_buffers(B, budget)
-        sc = self._sc
-        if B * budget > sc.cells.shape[0] or B > sc.G.shape[0]:
-            self._scratch(B, B * budget)
         costs = self._costs
-        if B >= costs._prior_rows:
-            costs._ensure(B)
         obs = None if dry else self._obs
         if obs is None:
             clock, obs_batch, obs_wi, obs_ms = costs.clock, 0, 0, 0.0
@@ -772,11 +788,10 @@ class AdaptiveController:
         append = toks.shape[0] > 0
         while True:
             code, n, wi, why, need_d, need_n, expected, cost = self._host_direct(
-                cslots, toks, offs, append, cache.max_depth, self._step_state(cache), bud, bool(tree),
-                cache.use_shared, cache._ring, o_tok, o_par, o_prob, o_src, offsets, mlens, slots,
-                self.request_alpha, self.prior_strength, costs.stale_after, waiting == 0 and B > 1, self.min_gain,
-                self.explore_optimism, lengths, switch, self._ctr, self.explore_min, self.explore_frac,
-                self._trace_len, clock, obs_batch, obs_wi, obs_ms, costs.alpha, costs.clip, dry)
+                cslots, toks, offs, append, self._step_state(cache, B), bool(tree), slots, self.request_alpha,
+                self.prior_strength, costs.stale_after, waiting == 0 and B > 1, self.min_gain, self.explore_optimism,
+                lengths, switch, self.explore_min, self.explore_frac, clock, obs_batch, obs_wi, obs_ms, costs.alpha,
+                costs.clip, dry)
             if code == 0:
                 break
             if code < 0:  # a negative token id: nothing changed; the full validation names the request
