@@ -71,6 +71,9 @@ from ngramspec.cache import _I32, MAX_TOKEN, DraftBatch, _Direct, as_tokens
 from ngramspec.controller.calibration import (
     Calibration,
     Pending,
+    _node_cells,
+    _node_values,
+    _shadow_evaluate,
     node_cells,
     node_values,
     pend_add,
@@ -100,6 +103,9 @@ class Scratch(NamedTuple):
     G: np.ndarray  # [requests, widths] float64: expected accepted nodes per request and width
     values: np.ndarray  # [widths] float64: each width's value (-inf: not considered)
     expected: np.ndarray  # [widths] float64: expected tokens of the step at each width
+    depth: np.ndarray  # [nodes] int64: `node_cells`' scratch (each node's depth)
+    kids: np.ndarray  # [nodes + 1] int64: `node_cells`' scratch (children per parent)
+    cols: np.ndarray  # [6] int64: the logistic correction's scratch
 
 
 @njit(cache=True)
@@ -111,8 +117,8 @@ def _choose(parents, probs, sources, offsets, mlens, slots, success, run, cal, p
     W = widths.shape[0]
     costs, measured, stale, implied = row
     cells, G, values, expected = sc.cells, sc.G, sc.values, sc.expected
-    node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, run)
-    node_values(parents, offsets, cells, cal, prior_mean, strength, widths, sc.P, G)
+    _node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, run, sc.depth, sc.kids)
+    _node_values(parents, offsets, cells, cal, prior_mean, strength, widths, sc.P, G, sc.cols)
     for w in range(W):
         acc = 0.0
         for i in range(B):
@@ -176,7 +182,7 @@ class Trace(NamedTuple):
     values: np.ndarray  # [N, widths] float64: each width's value (-inf: not considered)
 
 
-@njit(cache=True)
+@njit(cache=True, _nrt=False)
 def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal, prior_mean,
               strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain, may_explore, may_remeasure,
               optimism, sc, lengths, trace, tpos, step_no, switch, queue=True):
@@ -186,7 +192,12 @@ def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens
     drafts (every width > 1 costing ``switch`` more), queue them and record the decision in row ``tpos`` of
     ``trace`` (tpos < 0: not recorded; ``queue`` False: the drafts are not queued either). Returns
     (width index, reason index, drafts, nodes, expected tokens, estimated cost): if the pending pools lack room
-    it changes nothing and returns (-1, -1, drafts, nodes, 0, 0) they need per request."""
+    it changes nothing and returns (-1, -1, drafts, nodes, 0, 0) they need per request.
+
+    Compiled without numba's reference counting (``_nrt=False``, which its callees inherit): it allocates nothing
+    (scratch comes in ``sc`` and ``tmp``) and keeps no array beyond the call, and otherwise every array it reads
+    out of a bundle or passes on costs an atomic increment and decrement, some 200 a step (about 40% of the
+    step's time at batch 1)."""
     need_d, need_n = pend_room(slots, offsets, pend)
     if need_d > 0 or need_n > 0:
         return -1, -1, need_d, need_n, 0.0, 0.0
@@ -197,7 +208,7 @@ def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens
             if widths[w] > 1:
                 row.costs[w] += switch
     if offs.shape[0] > 1:
-        shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength)
+        _shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength, sc.cols)
     best, reason = _choose(parents, probs, sources, offsets, mlens, slots, pend.success, pend.run, cal, prior_mean,
                            strength, widths, row, draining, min_gain, may_explore, may_remeasure, optimism, sc, lengths)
     if queue:
@@ -391,7 +402,8 @@ class AdaptiveController:
         self._pend = Pending.empty()
         # per-step scratch, grown on demand
         W = len(widths)
-        self._sc = Scratch(np.zeros(64, np.int64), np.zeros(64), np.zeros((8, W)), np.zeros(W), np.zeros(W))
+        self._sc = Scratch(np.zeros(64, np.int64), np.zeros(64), np.zeros((8, W)), np.zeros(W), np.zeros(W),
+                           np.zeros(64, np.int64), np.zeros(65, np.int64), np.zeros(6, np.int64))
         # `step` calls its kernels through their compiled entry points (see ngramspec.cache._Direct): every
         # argument there has one fixed numba type (the cache's state and output buffers, this controller's own
         # arrays, token and slot arrays of one dtype and layout)
@@ -407,7 +419,7 @@ class AdaptiveController:
         self._one_cslot = np.zeros(1, np.int64)
         # the cost row of the step's batch size, computed inside the step kernel
         self._row = CostRow(np.zeros(W), np.zeros(W, np.bool_), np.zeros(W, np.bool_), np.zeros(W))
-        self._row_tmp = np.zeros(W)
+        self._row_tmp = np.zeros(2 * W)  # `_cost_row_all`'s scratch
         # the decision trace: a ring the step kernel writes, read by `decisions()`
         self._trace_len = int(trace_len)
         if self._trace_len < 0:
@@ -469,7 +481,8 @@ class AdaptiveController:
         sc = self._sc
         if n > sc.cells.shape[0]:
             m = max(n, 2 * sc.cells.shape[0])
-            sc = sc._replace(cells=np.zeros(m, np.int64), P=np.zeros(m))
+            sc = sc._replace(cells=np.zeros(m, np.int64), P=np.zeros(m), depth=np.zeros(m, np.int64),
+                             kids=np.zeros(m + 1, np.int64))
         if B > sc.G.shape[0]:
             sc = sc._replace(G=np.zeros((max(B, 2 * sc.G.shape[0]), len(self.widths))))
         self._sc = sc

@@ -233,8 +233,14 @@ def node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, r
     """Cell number of every node of a flat DraftBatch, into ``cells``: its fine cell (flat index into the fine
     table) + ``FINE`` x the request's copy-run bin (``run``: per slot; None: bin 0)."""
     n = parents.shape[0]
-    depth = np.empty(n, np.int64)
-    siblings = np.zeros(n + 1, np.int64)  # children per parent (index p + 1; 0: the root)
+    _node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, run, np.empty(n, np.int64),
+                np.empty(n + 1, np.int64))
+
+
+@njit(cache=True)
+def _node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, run, dep, kids):
+    """`node_cells` on int64 scratch ``dep`` and ``kids`` of at least n and n + 1 entries (n nodes): it allocates
+    nothing (see ``adaptive._ctl_step``)."""
     for i in range(offsets.shape[0] - 1):
         a = offsets[i]
         m = np.searchsorted(MBINS, mlens[i], side="right")
@@ -242,20 +248,20 @@ def node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, r
         if run is not None:
             rb += FINE * np.searchsorted(RUNB, run[slots[i]], side="right")
         for j in range(a, offsets[i + 1] + 1):
-            siblings[j - a] = 0
+            kids[j - a] = 0
         for j in range(a, offsets[i + 1]):
-            siblings[parents[j] + 1] += 1
+            kids[parents[j] + 1] += 1
         for j in range(a, offsets[i + 1]):
             p = parents[j]
             if p < 0:
                 q = np.float64(probs[j])
-                depth[j] = 1
+                dep[j] = 1
             else:
                 q = np.float64(probs[j]) / max(np.float64(probs[a + p]), 1e-12)
-                depth[j] = depth[a + p] + 1
+                dep[j] = dep[a + p] + 1
             qi = np.searchsorted(QBINS, q, side="right")
-            di = np.searchsorted(DBINS, depth[j], side="right")
-            ki = np.searchsorted(KBINS, siblings[p + 1], side="right")
+            di = np.searchsorted(DBINS, dep[j], side="right")
+            ki = np.searchsorted(KBINS, kids[p + 1], side="right")
             cells[j] = ((((np.int64(sources[j]) * 4 + m) * 6 + qi) * 4 + di) * 4 + ki) * RBINS + rb
 
 
@@ -264,8 +270,13 @@ def node_values(parents, offsets, cells, cal, prior_mean, strength, widths, P, G
     """Calibrated P(accepted) per node into ``P`` and, per request and width, the expected accepted nodes (no
     bonus) into ``G``. A node's conditional acceptance is its fine cell's Beta mean, shrunk towards its ``mid_cell``
     cell, shrunk towards its ``top_cell``, shrunk towards the fixed prior; P is the product along the path."""
+    _node_values(parents, offsets, cells, cal, prior_mean, strength, widths, P, G, np.empty(6, np.int64))
+
+
+@njit(cache=True)
+def _node_values(parents, offsets, cells, cal, prior_mean, strength, widths, P, G, c6):
+    """`node_values` on int64 scratch ``c6`` of 6 entries: it allocates nothing."""
     logistic = cal.logit_w.shape[0] > 0
-    cols = np.empty(6, np.int64)
     B = offsets.shape[0] - 1
     for i in range(B):
         for w in range(widths.shape[0]):
@@ -275,7 +286,7 @@ def node_values(parents, offsets, cells, cal, prior_mean, strength, widths, P, G
             c = cells[j]
             cond = beta_mean(cal, c, prior_mean, strength)
             if logistic:
-                cond = corrected(cal.logit_w, c, cond, cols)
+                cond = corrected(cal.logit_w, c, cond, c6)
             p = parents[j]
             P[j] = cond if p < 0 else cond * P[a + p]
             k = j - a + 1  # this node is the request's k-th: every width w with w - 1 >= k holds it
@@ -332,6 +343,12 @@ def shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean=None, streng
     committed token (if any) is accepted; a draft is decided when none matches or its accepted node has no
     children. Counts go to the calibration tables, the request's success rate moves; undecided drafts stay
     (oldest first), compacted in place."""
+    _shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength, np.empty(6, np.int64))
+
+
+@njit(cache=True)
+def _shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength, c6):
+    """`shadow_evaluate` on int64 scratch ``c6`` of 6 entries: it allocates nothing."""
     ptok, ppar, pcell, pstart, plen, pcur, nd, nn = (pend.tok, pend.par, pend.cell, pend.start, pend.length,
                                                       pend.cur, pend.nd, pend.nn)
     success = pend.success
@@ -339,7 +356,6 @@ def shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean=None, streng
     succ, trials, mid_succ, mid_trials, top_succ, top_trials = cal.succ, cal.trials, cal.mid_succ, cal.mid_trials, \
         cal.top_succ, cal.top_trials
     learn = prior_mean is not None and cal.logit_w.shape[0] > 0
-    cols = np.empty(6, np.int64)
     for k in range(slots.shape[0]):
         s = slots[k]
         a = offs[k]
@@ -369,7 +385,7 @@ def shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean=None, streng
                         c = pcell[s, st + j]
                         hit = ptok[s, st + j] == t
                         if learn:
-                            logit_learn(cal, c, hit, prior_mean, strength, cols)
+                            logit_learn(cal, c, hit, prior_mean, strength, c6)
                         mc = mid_cell(c)
                         tc = top_cell(c)
                         fc = fine_cell(c)

@@ -251,12 +251,12 @@ def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
 
 
 @njit(cache=True)
-def _cost_row(s, B, widths, exclude, out):
-    """c(B, w) for every width into ``out``; width index ``exclude`` (-1: none) is treated as never measured."""
+def _cost_row(s, B, widths, exclude, out, direct):
+    """c(B, w) for every width into ``out``; width index ``exclude`` (-1: none) is treated as never measured.
+    ``direct``: scratch of one float per width."""
     ewma, prior = s.ewma, s.prior
     W = widths.shape[0]
     nb = ewma.shape[0]
-    direct = np.empty(W, np.float64)
     for wi in range(W):
         direct[wi] = np.nan
         if wi == exclude:
@@ -336,13 +336,17 @@ def _cost_near(s, B, widths, clock, stale_after, measured, stale):
 @njit(cache=True)
 def _cost_row_all(s, B, widths, clock, stale_after, costs, measured, stale, implied, tmp):
     """A whole `CostRow` in one call: ``_cost_row`` into ``costs``, ``_cost_near`` into ``measured`` / ``stale``,
-    and ``implied``: ``costs``, but for a stale width the estimate the other widths imply for it."""
-    _cost_row(s, B, widths, -1, costs)
+    and ``implied``: ``costs``, but for a stale width the estimate the other widths imply for it. ``tmp``: scratch
+    of two floats per width. Allocates nothing (it runs in the step kernel, compiled without numba's reference
+    counting: see ``adaptive._ctl_step``)."""
+    W = widths.shape[0]
+    direct = tmp[W:]
+    _cost_row(s, B, widths, -1, costs, direct)
     _cost_near(s, B, widths, clock, stale_after, measured, stale)
-    for wi in range(widths.shape[0]):
+    for wi in range(W):
         implied[wi] = costs[wi]
         if stale[wi]:
-            _cost_row(s, B, widths, wi, tmp)
+            _cost_row(s, B, widths, wi, tmp, direct)
             implied[wi] = tmp[wi]
 
 
@@ -445,7 +449,7 @@ class CostModel:
         if batch >= self._prior_rows:
             self._ensure(batch)
         W = len(self.widths)
-        costs, implied, tmp = np.empty(W), np.empty(W), np.empty(W)
+        costs, implied, tmp = np.empty(W), np.empty(W), np.empty(2 * W)
         measured, stale = np.empty(W, np.bool_), np.empty(W, np.bool_)
         self._row_kernel(self.state, int(batch), self._w, self.clock, self.stale_after, costs, measured, stale,
                          implied, tmp)
