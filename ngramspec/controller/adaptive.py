@@ -174,6 +174,19 @@ def _choose(parents, probs, sources, offsets, mlens, slots, success, run, cal, p
     return best, reason
 
 
+def _no_refcount() -> dict:
+    """numba's option for a kernel compiled without reference counting, where this numba has it (a private option,
+    ``_nrt``, of every numba this project supports; should a later one drop it, the kernel compiles as usual)."""
+    try:
+        from numba.core.cpu import CPUTargetOptions
+    except ImportError:
+        return {}
+    return {"_nrt": False} if hasattr(CPUTargetOptions, "_nrt") else {}
+
+
+_NO_REFCOUNT = _no_refcount()
+
+
 class Trace(NamedTuple):
     """The recent decisions, a ring of ``trace_len`` rows written by the step kernel (``decisions()`` reads it)."""
 
@@ -182,7 +195,7 @@ class Trace(NamedTuple):
     values: np.ndarray  # [N, widths] float64: each width's value (-inf: not considered)
 
 
-@njit(cache=True, _nrt=False)
+@njit(cache=True, **_NO_REFCOUNT)
 def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens, pend, alpha, cal, prior_mean,
               strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain, may_explore, may_remeasure,
               optimism, sc, lengths, trace, tpos, step_no, switch, queue=True):
