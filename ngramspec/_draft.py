@@ -6,6 +6,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from ngramspec._nrt import NO_REFCOUNT_LIST, list_item
 from ngramspec._trie import (
     CHILD,
     CNT,
@@ -265,36 +266,21 @@ def draft_tree(nodes, table, root, arena, alen, n, off, hist, hlen, budget, max_
     return done
 
 
-@njit(cache=True)
-def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared,
-                  o_tok, o_par, o_prob, o_src, offsets, o_mlen):
-    """Draft for every request of a batch in one call. Output is flat; request i owns offsets[i]:offsets[i+1].
-    ``own``: `OwnState`; ``hists``: the token histories (typed List, by slot); ``shared``: `SharedState`, used
-    when ``use_shared``; ``epoch``: the shared cache's.
-
-    Source choice: the longer match wins (own history vs shared cache); on a tie, own history. Match lengths are
-    found incrementally: a match can grow by at most the number of tokens added since the last proposal (also
-    in a trie that dropped occurrences: an indexed n-gram's prefixes were indexed when it was), so only the
-    shared cache's changes (new finished requests) force a full-depth search. The bound only saves work: a
-    draft is a function of the tokens fed, never of when or how often ``propose`` was called.
-    """
+@njit(cache=True, **NO_REFCOUNT_LIST)
+def _propose(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob, o_src,
+             offsets, o_mlen, buf, sc):
+    """`propose_batch` with the scratch given: a context buffer ``buf`` and a `TreeScratch` ``sc``, large enough
+    for every budget. Compiled without reference counting (it allocates nothing)."""
     l_nodes, l_table, roots, hlens = own.nodes, own.table, own.roots, own.hlens
     match_len, since, epoch_seen = own.match_len, own.since, own.epoch_seen
     s_nodes, s_table, s_root, s_arena = shared.nodes, shared.table, shared.root, shared.arena
     B = slots.shape[0]
-    maxb = 1
-    for i in range(B):
-        maxb = max(maxb, budgets[i])
-    buf, sc = own.buf, own.sc  # the cache's scratch, unless a budget exceeds it
-    if buf.shape[0] < max_depth + maxb + 1 or sc.h_idx.shape[0] < _scratch_cap(maxb):
-        buf = np.empty(max_depth + maxb + 1, np.int32)
-        sc = tree_scratch(maxb)
     s_alen = s_arena.shape[0]
     pos = 0
     offsets[0] = 0
     for i in range(B):
         r = slots[i]
-        hist = hists[r]
+        hist = list_item(hists, r)
         hlen = hlens[r]
         lim = max_depth - 1
         m_hi = min(match_len[r, 0] + since[r], lim)
@@ -330,6 +316,45 @@ def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists
         pos += k
         offsets[i + 1] = pos
     return pos
+
+
+@njit(cache=True, **NO_REFCOUNT_LIST)
+def propose_own(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob, o_src,
+                offsets, o_mlen):
+    """`propose_batch` on the cache's own scratch (``own.buf``, ``own.sc``), compiled without reference counting:
+    returns -1, having changed nothing, when a budget exceeds that scratch (`propose_batch` then allocates)."""
+    maxb = 1
+    for i in range(slots.shape[0]):
+        maxb = max(maxb, budgets[i])
+    buf, sc = own.buf, own.sc
+    if buf.shape[0] < max_depth + maxb + 1 or sc.h_idx.shape[0] < _scratch_cap(maxb):
+        return -1
+    return _propose(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob,
+                    o_src, offsets, o_mlen, buf, sc)
+
+
+@njit(cache=True)
+def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared,
+                  o_tok, o_par, o_prob, o_src, offsets, o_mlen):
+    """Draft for every request of a batch in one call. Output is flat; request i owns offsets[i]:offsets[i+1].
+    ``own``: `OwnState`; ``hists``: the token histories (typed List, by slot); ``shared``: `SharedState`, used
+    when ``use_shared``; ``epoch``: the shared cache's.
+
+    Source choice: the longer match wins (own history vs shared cache); on a tie, own history. Match lengths are
+    found incrementally: a match can grow by at most the number of tokens added since the last proposal (also
+    in a trie that dropped occurrences: an indexed n-gram's prefixes were indexed when it was), so only the
+    shared cache's changes (new finished requests) force a full-depth search. The bound only saves work: a
+    draft is a function of the tokens fed, never of when or how often ``propose`` was called.
+    """
+    n = propose_own(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob,
+                    o_src, offsets, o_mlen)
+    if n >= 0:
+        return n
+    maxb = 1  # a budget exceeds the cache's scratch: a larger one for this call
+    for i in range(slots.shape[0]):
+        maxb = max(maxb, budgets[i])
+    return _propose(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob,
+                    o_src, offsets, o_mlen, np.empty(max_depth + maxb + 1, np.int32), tree_scratch(maxb))
 
 
 @njit(cache=True)

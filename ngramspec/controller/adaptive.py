@@ -66,7 +66,8 @@ from numba.core.typing.typeof import Purpose, typeof
 from numba.experimental import structref
 
 from ngramspec import _shared
-from ngramspec._draft import append_batch, propose_batch
+from ngramspec._draft import append_batch, propose_batch, propose_own
+from ngramspec._nrt import NO_REFCOUNT as _NO_REFCOUNT
 from ngramspec.cache import _I32, MAX_TOKEN, DraftBatch, _Direct, as_tokens
 from ngramspec.controller.calibration import (
     Calibration,
@@ -172,19 +173,6 @@ def _choose(parents, probs, sources, offsets, mlens, slots, success, run, cal, p
         n = offsets[i + 1] - offsets[i]
         lengths[i] = n if n < cap else cap
     return best, reason
-
-
-def _no_refcount() -> dict:
-    """numba's option for a kernel compiled without reference counting, where this numba has it (a private option,
-    ``_nrt``, of every numba this project supports; should a later one drop it, the kernel compiles as usual)."""
-    try:
-        from numba.core.cpu import CPUTargetOptions
-    except ImportError:
-        return {}
-    return {"_nrt": False} if hasattr(CPUTargetOptions, "_nrt") else {}
-
-
-_NO_REFCOUNT = _no_refcount()
 
 
 class Trace(NamedTuple):
@@ -322,8 +310,12 @@ def _host_step(cslots, toks, offs, append, st, tree, slots, alpha, strength, sta
             return code, 0, -1, -1, 0, 0, 0.0, 0.0
     if obs_batch > 0 and not dry:
         _cost_observe(st.cstate, obs_batch, obs_wi, obs_ms, cost_alpha, cost_clip, clock, stale_after)
-    n = propose_batch(cslots, st.bud[:B], tree, max_depth, st.use_shared, st.ring[_S_EPOCH], own, hists, st.shared,
-                      o_tok, o_par, o_prob, o_src, offsets, mlens)
+    bud, use_shared, epoch, shared = st.bud[:B], st.use_shared, st.ring[_S_EPOCH], st.shared
+    n = propose_own(cslots, bud, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob, o_src,
+                    offsets, mlens)
+    if n < 0:  # a budget exceeds the cache's scratch
+        n = propose_batch(cslots, bud, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob,
+                          o_src, offsets, mlens)
     n1 = ctr[C_STEPS] + 1
     may_explore = ctr[C_EXPLORED] < explore_min + explore_frac * n1
     may_remeasure = stale_after > 0 and ctr[C_REMEASURED] * stale_after < n1
