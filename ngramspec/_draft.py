@@ -357,6 +357,32 @@ def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists
                     o_src, offsets, o_mlen, np.empty(max_depth + maxb + 1, np.int32), tree_scratch(maxb))
 
 
+@njit(cache=True, **NO_REFCOUNT_LIST)
+def append_own(slots, flat, offsets, max_depth, own, hists):
+    """`append_batch`, compiled without reference counting (for compiled callers)."""
+    hlens = own.hlens
+    for j in range(flat.shape[0]):
+        if flat[j] < 0:
+            return -1 - j
+    for i in range(slots.shape[0]):
+        r = slots[i]
+        if hlens[r] + offsets[i + 1] - offsets[i] > list_item(hists, r).shape[0]:
+            return 1 + i
+    size = own.table.shape[0]  # a view smaller than 2 x capacity is a prefix of a larger buffer: it can grow
+    if 2 * (own.meta[M_LIVE] + flat.shape[0] * max_depth) > size and size < 2 * own.meta[M_CAP]:
+        return 1 + slots.shape[0]
+    for i in range(slots.shape[0]):
+        r = slots[i]
+        hist = list_item(hists, r)
+        for j in range(offsets[i], offsets[i + 1]):
+            p = hlens[r]
+            hist[p] = flat[j]
+            hlens[r] = p + 1
+            insert_token(own.nodes, own.table, own.meta, own.roots[r], own.active[r], hist, p + 1, p, max_depth)
+        own.since[r] += offsets[i + 1] - offsets[i]
+    return 0
+
+
 @njit(cache=True)
 def append_batch(slots, flat, offsets, max_depth, own, hists):
     """Append each request's new tokens ``flat[offsets[i]:offsets[i+1]]`` to its history and index them in its
@@ -365,24 +391,4 @@ def append_batch(slots, flat, offsets, max_depth, own, hists):
     request i whose history array has no room for its new tokens (the caller grows it and calls again), 1 + B
     (B requests) when the trie's hash view could end up more than half full (at most D new nodes a token; the
     caller grows the view, `_trie.table_for`, and calls again), 0 when the tokens were appended."""
-    hlens = own.hlens
-    for j in range(flat.shape[0]):
-        if flat[j] < 0:
-            return -1 - j
-    for i in range(slots.shape[0]):
-        r = slots[i]
-        if hlens[r] + offsets[i + 1] - offsets[i] > hists[r].shape[0]:
-            return 1 + i
-    size = own.table.shape[0]  # a view smaller than 2 x capacity is a prefix of a larger buffer: it can grow
-    if 2 * (own.meta[M_LIVE] + flat.shape[0] * max_depth) > size and size < 2 * own.meta[M_CAP]:
-        return 1 + slots.shape[0]
-    for i in range(slots.shape[0]):
-        r = slots[i]
-        hist = hists[r]
-        for j in range(offsets[i], offsets[i + 1]):
-            p = hlens[r]
-            hist[p] = flat[j]
-            hlens[r] = p + 1
-            insert_token(own.nodes, own.table, own.meta, own.roots[r], own.active[r], hist, p + 1, p, max_depth)
-        own.since[r] += offsets[i + 1] - offsets[i]
-    return 0
+    return append_own(slots, flat, offsets, max_depth, own, hists)

@@ -66,7 +66,7 @@ from numba.core.typing.typeof import Purpose, typeof
 from numba.experimental import structref
 
 from ngramspec import _shared
-from ngramspec._draft import append_batch, propose_batch, propose_own
+from ngramspec._draft import append_own, propose_batch, propose_own
 from ngramspec._nrt import NO_REFCOUNT as _NO_REFCOUNT
 from ngramspec.cache import _I32, MAX_TOKEN, DraftBatch, _Direct, as_tokens
 from ngramspec.controller.calibration import (
@@ -305,7 +305,7 @@ def _host_step(cslots, toks, offs, append, st, tree, slots, alpha, strength, sta
     offsets = offsets[:B + 1]
     mlens = mlens[:B]
     if append and not dry:
-        code = append_batch(cslots, toks, offs, max_depth, own, hists)
+        code = append_own(cslots, toks, offs, max_depth, own, hists)
         if code != 0:
             return code, 0, -1, -1, 0, 0, 0.0, 0.0
     if obs_batch > 0 and not dry:
