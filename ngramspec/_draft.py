@@ -6,7 +6,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from ngramspec._nrt import NO_REFCOUNT_LIST, list_item
+from ngramspec._nrt import NO_REFCOUNT_LIST, REFCOUNT, list_item
 from ngramspec._trie import (
     CHILD,
     CNT,
@@ -333,7 +333,7 @@ def propose_own(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, 
                     o_src, offsets, o_mlen, buf, sc)
 
 
-@njit(cache=True)
+@njit(cache=True, **REFCOUNT)
 def propose_batch(slots, budgets, tree, max_depth, use_shared, epoch, own, hists, shared,
                   o_tok, o_par, o_prob, o_src, offsets, o_mlen):
     """Draft for every request of a batch in one call. Output is flat; request i owns offsets[i]:offsets[i+1].

@@ -37,6 +37,8 @@ if _GETITEM is None:  # without it a kernel without reference counting could not
 # for such a kernel that takes a typed List: numba's Python entry point would need reference counting to take one
 # (the kernel is for compiled callers only)
 NO_REFCOUNT_LIST = {**NO_REFCOUNT, "no_cpython_wrapper": True} if NO_REFCOUNT else {}
+# for a kernel that allocates and may be called from one without: reference counting of its own, not inherited
+REFCOUNT = {"_nrt": True} if NO_REFCOUNT else {}
 
 
 @intrinsic
@@ -56,6 +58,48 @@ def list_item(typingctx, lst, index):
         out = context.cast(builder, item, gsig.return_type[1], l_ty.item_type)
         if context.enable_nrt:
             context.nrt.incref(builder, l_ty.item_type, out)
+        return out
+
+    return sig, codegen
+
+
+def _meminfo_struct():
+    """The LLVM type of numba's MemInfo (internal, of every numba this project supports); None where it is gone."""
+    try:
+        from numba.core.runtime.nrtdynmod import _meminfo_struct_type
+    except ImportError:
+        return None
+    return _meminfo_struct_type
+
+
+_MEMINFO = _meminfo_struct()
+if _MEMINFO is None:  # without it a kernel without reference counting could not read a StructRef's fields
+    NO_REFCOUNT = NO_REFCOUNT_LIST = REFCOUNT = {}
+
+
+@intrinsic(prefer_literal=True)
+def field(typingctx, ref, name):
+    """``ref.<name>`` of a StructRef ``ref`` (``name`` a string constant), also in a kernel compiled without
+    reference counting (numba's attribute access needs it): the field read in place, with a new reference only
+    where the kernel counts references."""
+    if not isinstance(name, types.StringLiteral) or not isinstance(ref, types.StructRef):
+        return None
+    attr = name.literal_value
+    fty = ref.field_dict[attr]
+    sig = fty(ref, name)
+
+    def codegen(context, builder, sig, args):
+        ref_ty = sig.args[0]
+        mi = cgutils.create_struct_proxy(ref_ty)(context, builder, value=args[0]).meminfo
+        if context.enable_nrt:
+            data = context.nrt.meminfo_data(builder, mi)
+        else:  # what NRT_MemInfo_data_fast does
+            data = builder.load(cgutils.gep(builder, builder.bitcast(mi, _MEMINFO.as_pointer()), 0, 3))
+        valtype = ref_ty.get_data_type()
+        ptr = builder.bitcast(data, context.data_model_manager[valtype].get_value_type().as_pointer())
+        out = getattr(cgutils.create_struct_proxy(valtype)(context, builder, ref=ptr), attr)
+        if context.enable_nrt:
+            context.nrt.incref(builder, fty, out)
         return out
 
     return sig, codegen

@@ -68,6 +68,8 @@ from numba.experimental import structref
 from ngramspec import _shared
 from ngramspec._draft import append_own, propose_batch, propose_own
 from ngramspec._nrt import NO_REFCOUNT as _NO_REFCOUNT
+from ngramspec._nrt import NO_REFCOUNT_LIST as _NO_REFCOUNT_LIST
+from ngramspec._nrt import field
 from ngramspec.cache import _I32, MAX_TOKEN, DraftBatch, _Direct, as_tokens
 from ngramspec.controller.calibration import (
     Calibration,
@@ -279,6 +281,48 @@ def _count_decision(ctr, why):
     ctr[C_TRACED] += 1
 
 
+@njit(cache=True, **_NO_REFCOUNT_LIST)
+def _host_core(cslots, toks, offs, append, st, tree, slots, alpha, strength, stale_after, draining, min_gain,
+               optimism, lengths, switch, explore_min, explore_frac, clock, obs_batch, obs_wi, obs_ms, cost_alpha,
+               cost_clip, dry):
+    """`_host_step`, compiled without reference counting (``st``'s fields read in place by `field`)."""
+    own, hists, shared, pend, cal = field(st, "own"), field(st, "hists"), field(st, "shared"), field(st, "pend"), \
+        field(st, "cal")
+    prior_mean, widths, cstate, row, tmp = field(st, "prior_mean"), field(st, "widths"), field(st, "cstate"), \
+        field(st, "row"), field(st, "tmp")
+    sc, trace, ctr, ring, out = field(st, "sc"), field(st, "trace"), field(st, "ctr"), field(st, "ring"), \
+        field(st, "out")
+    bud, max_depth, use_shared, trace_len = field(st, "bud"), field(st, "max_depth"), field(st, "use_shared"), \
+        field(st, "trace_len")
+    B = cslots.shape[0]
+    o_tok, o_par, o_prob, o_src, offsets, mlens = out
+    offsets = offsets[:B + 1]
+    mlens = mlens[:B]
+    if append and not dry:
+        code = append_own(cslots, toks, offs, max_depth, own, hists)
+        if code != 0:
+            return code, 0, -1, -1, 0, 0, 0.0, 0.0
+    if obs_batch > 0 and not dry:
+        _cost_observe(cstate, obs_batch, obs_wi, obs_ms, cost_alpha, cost_clip, clock, stale_after)
+    bud, epoch = bud[:B], ring[_S_EPOCH]
+    n = propose_own(cslots, bud, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob, o_src,
+                    offsets, mlens)
+    if n < 0:  # a budget exceeds the cache's scratch: its allocating path
+        n = propose_batch(cslots, bud, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob,
+                          o_src, offsets, mlens)
+    n1 = ctr[C_STEPS] + 1
+    may_explore = ctr[C_EXPLORED] < explore_min + explore_frac * n1
+    may_remeasure = stale_after > 0 and ctr[C_REMEASURED] * stale_after < n1
+    tpos = ctr[C_TRACED] % trace_len if trace_len > 0 and not dry else -1
+    wi, why, need_d, need_n, expected, cost = _ctl_step(
+        slots, toks, offs, o_par[:n], o_prob[:n], o_src[:n], o_tok[:n], offsets, mlens, pend, alpha, cal,
+        prior_mean, strength, widths, cstate, clock, stale_after, row, tmp, draining, min_gain,
+        may_explore, may_remeasure, optimism, sc, lengths, trace, tpos, ctr[C_STEP] + 1, switch, not dry)
+    if wi >= 0 and not dry:
+        _count_decision(ctr, why)
+    return 0, n, wi, why, need_d, need_n, expected, cost
+
+
 @njit(cache=True)
 def _host_step(cslots, toks, offs, append, st, tree, slots, alpha, strength, stale_after, draining, min_gain,
                optimism, lengths, switch, explore_min, explore_frac, clock, obs_batch, obs_wi, obs_ms, cost_alpha,
@@ -299,34 +343,9 @@ def _host_step(cslots, toks, offs, append, st, tree, slots, alpha, strength, sta
 
     The cache's output buffers (``st.out``), budgets (``st.bud``), shared-cache ring, depth and the counters come
     from ``st`` too; their first ``B`` (``B + 1``) entries are this step's."""
-    own, hists, ctr, max_depth, trace_len = st.own, st.hists, st.ctr, st.max_depth, st.trace_len
-    B = cslots.shape[0]
-    o_tok, o_par, o_prob, o_src, offsets, mlens = st.out
-    offsets = offsets[:B + 1]
-    mlens = mlens[:B]
-    if append and not dry:
-        code = append_own(cslots, toks, offs, max_depth, own, hists)
-        if code != 0:
-            return code, 0, -1, -1, 0, 0, 0.0, 0.0
-    if obs_batch > 0 and not dry:
-        _cost_observe(st.cstate, obs_batch, obs_wi, obs_ms, cost_alpha, cost_clip, clock, stale_after)
-    bud, use_shared, epoch, shared = st.bud[:B], st.use_shared, st.ring[_S_EPOCH], st.shared
-    n = propose_own(cslots, bud, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob, o_src,
-                    offsets, mlens)
-    if n < 0:  # a budget exceeds the cache's scratch
-        n = propose_batch(cslots, bud, tree, max_depth, use_shared, epoch, own, hists, shared, o_tok, o_par, o_prob,
-                          o_src, offsets, mlens)
-    n1 = ctr[C_STEPS] + 1
-    may_explore = ctr[C_EXPLORED] < explore_min + explore_frac * n1
-    may_remeasure = stale_after > 0 and ctr[C_REMEASURED] * stale_after < n1
-    tpos = ctr[C_TRACED] % trace_len if trace_len > 0 and not dry else -1
-    wi, why, need_d, need_n, expected, cost = _ctl_step(
-        slots, toks, offs, o_par[:n], o_prob[:n], o_src[:n], o_tok[:n], offsets, mlens, st.pend, alpha, st.cal,
-        st.prior_mean, strength, st.widths, st.cstate, clock, stale_after, st.row, st.tmp, draining, min_gain,
-        may_explore, may_remeasure, optimism, st.sc, lengths, st.trace, tpos, ctr[C_STEP] + 1, switch, not dry)
-    if wi >= 0 and not dry:
-        _count_decision(ctr, why)
-    return 0, n, wi, why, need_d, need_n, expected, cost
+    return _host_core(cslots, toks, offs, append, st, tree, slots, alpha, strength, stale_after, draining, min_gain,
+                      optimism, lengths, switch, explore_min, explore_frac, clock, obs_batch, obs_wi, obs_ms,
+                      cost_alpha, cost_clip, dry)
 
 
 def _counter(i: int, doc: str) -> property:
