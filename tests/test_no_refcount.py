@@ -19,6 +19,7 @@ _REPLAY = textwrap.dedent('''
     import numpy as np
     from ngramspec import NgramCache
     from ngramspec.controller import AdaptiveController
+    from ngramspec.layout import accepted_path
 
 
     def digest(batch, steps=120):
@@ -42,15 +43,9 @@ _REPLAY = textwrap.dedent('''
             h.update(repr((p.width, p.lengths.tolist(), p.expected.hex(), p.cost.hex(), p.reason, b.tokens.tolist(),
                            b.parents.tolist(), b.probs.tolist(), b.offsets.tolist())).encode())
             for i, rid in enumerate(list(active)):
-                out, k, o = outs[rid], int(p.lengths[i]), int(b.offsets[i])
-                toks, pars = b.tokens[o:o + k].tolist(), b.parents[o:o + k].tolist()
-                cur, n = -1, 0
-                for t in out[pos[rid]:]:
-                    j = next((j for j in range(k) if pars[j] == cur and toks[j] == t), -1)
-                    if j < 0:
-                        break
-                    cur, n = j, n + 1
-                n = min(n + 1, len(out) - pos[rid])
+                out, k, o, at = outs[rid], int(p.lengths[i]), int(b.offsets[i]), pos[rid]
+                path = accepted_path(b.tokens[o:o + k], b.parents[o:o + k], out[at:at + k + 1])
+                n = min(len(path) + 1, len(out) - at)
                 committed[rid] = out[pos[rid]:pos[rid] + n]
                 pos[rid] += n
                 if pos[rid] == len(out):
