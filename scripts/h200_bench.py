@@ -79,7 +79,10 @@ class ConfigRun:
 
 
 def run_config(model, prompts, batch, mode, spec, max_new, eos, sync_moves=False, kv_width=1):
+    from ngramspec.engine.decode import freeze_gc
+
     run = ConfigRun(model, prompts, batch, mode, spec, max_new, eos, sync_moves, kv_width)
+    freeze_gc()  # as SGLang after its warm-up: no full collection through the model, graphs and kernels
     for g in range(run.groups()):
         run.group(g)
     return run.result()
@@ -96,6 +99,9 @@ def run_interleaved(model, prompts, batch, mode, specs, max_new, eos, sync_moves
         except Exception as exc:  # keep going: one broken configuration must not lose the others
             traceback.print_exc()
             out[spec] = exc
+    from ngramspec.engine.decode import freeze_gc
+
+    freeze_gc()  # as SGLang after its warm-up: no full collection through the model, graphs and kernels
     for g in range(len(prompts) // batch):
         for spec, run in list(runs.items()):
             try:

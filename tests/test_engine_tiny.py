@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from engine_oracle import OracleCache  # noqa: E402
 
 from ngramspec import NgramCache  # noqa: E402
-from ngramspec.engine.decode import FixedPolicy, SpecDecoder  # noqa: E402
+from ngramspec.engine.decode import FixedPolicy, SpecDecoder, freeze_gc  # noqa: E402
 from ngramspec.engine.model import KVModel  # noqa: E402
 from ngramspec.engine.policy import make_policy  # noqa: E402
 from ngramspec.layout import greedy_walk, tree_rows  # noqa: E402
@@ -121,6 +121,27 @@ def test_eos_stops_a_request_and_is_kept(tiny_model, prompts):
     dec = SpecDecoder(KVModel(tiny_model, batch=1, max_len=len(prompts[0]) + 40))
     res = dec.generate(prompts[:1], 30, eos_token_id=eos, policy=FixedPolicy(8, tree=True), cache=NgramCache())
     assert res.outputs[0] == reference[:first + 1]
+
+
+def test_freeze_gc_takes_what_is_loaded_out_of_later_collections():
+    """After `freeze_gc` a full collection no longer walks the objects that existed (a chain of lists stands
+    for a loaded model); objects made afterwards are still collected."""
+    import gc
+
+    loaded = [[] for _ in range(2000)]
+    for a, b in zip(loaded, loaded[1:]):
+        a.append(b)
+    try:
+        assert freeze_gc() >= len(loaded)
+        tracked = {id(o) for o in gc.get_objects()}
+        assert not any(id(o) in tracked for o in loaded)
+        later = []
+        later.append(later)  # a cycle made after the freeze
+        assert id(later) in {id(o) for o in gc.get_objects()}
+        del later
+        assert gc.collect() >= 1
+    finally:
+        gc.unfreeze()
 
 
 def test_bad_input_raises(tiny_model, prompts):

@@ -7,6 +7,7 @@ the same loop with no draft (width 1), so both share every kernel but the verify
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -83,6 +84,17 @@ def _warm_up_once() -> None:
 
         warm_up()
         _warmed = True
+
+
+def freeze_gc() -> int:
+    """Take every object the process holds now (model, tokenizer, compiled kernels, CUDA graphs) out of the
+    cyclic garbage collector's reach, as SGLang's server does after its warm-up (`gc.freeze`). Call it once
+    everything long-lived is loaded and warmed up. Otherwise, whenever enough new objects have accumulated, a full
+    collection walks them all: with SmolLM2 and the kernels loaded some 460,000 objects, a third of a second or
+    more, which one decode step pays. Returns the number of objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _sync(device) -> None:

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ngramspec import NgramCache
 
-    from .decode import SpecDecoder
+    from .decode import SpecDecoder, freeze_gc
     from .model import KVModel, load_model
     from .policy import make_policy
     from .prompts import chat_tokens, demo_prompts
@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     decoder.generate([prompts[0]], args.max_new_tokens, eos_token_id=eos)
     decoder.generate([prompts[0]], args.max_new_tokens, policy=make_policy(spec), cache=NgramCache(),
                      rids=["warm-up"], eos_token_id=eos)
+    freeze_gc()  # no full garbage collection through the loaded model during a timed step
 
     rows, outputs, history = [], [], []
     total = 2 * len(prompts) * args.max_new_tokens * args.repeats
