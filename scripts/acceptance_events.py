@@ -1,6 +1,6 @@
 """Per-node acceptance events of the adaptive controller's drafts, and the log loss of acceptance predictors.
 
-    python scripts/acceptance_events.py TRACE PROFILE BATCH [MAX_REQUESTS] [--out EVENTS.npz]
+    python scripts/acceptance_events.py TRACE PROFILE BATCH [MAX_REQUESTS] [--out EVENTS.npz] [--conf]
 
 Replays TRACE with `ngramspec-adaptive` and records, for every node of every proposed draft (sent or not) whose
 parent the model accepted (a "trial": the events the calibration counts), the features the controller sees
@@ -10,7 +10,9 @@ and whether the model accepted the node (from the trace's true output). Then it 
 events in order (predict, then learn from the outcome), every predictor of `ngramspec.controller.predictor`
 and prints the log loss, the Brier score and a calibration summary of each; then a draft-level proxy of what
 better estimates could give at batch 1 (``policy_bound``; a rough indication only: it scores each recorded draft
-on its own, while in a replay a draft not sent leaves its tokens to the next steps).
+on its own, while in a replay a draft not sent leaves its tokens to the next steps). With ``--conf`` (a trace
+from ``scripts/confidence_trace.py``, whose records carry the model's confidence in each output token) the proxy
+also calibrates on that confidence: a signal a server has that the cache does not.
 
 Predictors scored (all prequential over the same events; "used" is what the replayed controller itself used,
 with its delayed updates): the current hierarchical Beta cells ("beta: success"), the same with the copy run
@@ -18,6 +20,8 @@ in place of or beside the success axis, and the Beta estimate with an online log
 of ``AdaptiveController(predictor="logistic")``) at three AdaGrad steps.
 """
 import argparse
+import gzip
+import json
 from collections import defaultdict
 
 import numpy as np
@@ -32,7 +36,9 @@ from ngramspec.sim.traces import load_trace
 FIELDS = ("source", "mlen", "q", "depth", "siblings", "success", "run", "cell", "p_used", "hit", "draft", "p_path")
 
 
-def record(trace, profile, batch, spec="ngramspec-adaptive"):
+def record(trace, profile, batch, spec="ngramspec-adaptive", conf=None):
+    """Events and drafts of a replay; ``conf``: per request, the model's confidence in each output token (adds
+    that of the last committed token and the lowest of the last four to each draft; NaN without it)."""
     method = make_method(spec)
     ctl = method.ctl
     outputs = [r.output for r in trace.requests]
@@ -73,8 +79,11 @@ def record(trace, profile, batch, spec="ngramspec-adaptive"):
                                          P[a + j])):
                     ev[f].append(v)
             ndraft[0] += 1
+            c1 = c4 = np.nan
+            if conf is not None and p >= 1:
+                c1, c4 = conf[rid][p - 1], conf[rid][max(0, p - 4):p].min()
             drafts.append((P[a:e].sum(), accepted_length(b.tokens[a:e], par, o, p), ctl._pend.run[s],
-                           ctl._pend.success[s], b.match_lens[i], P[a:e][:3].sum(), P[a:e][:7].sum()))
+                           ctl._pend.success[s], b.match_lens[i], P[a:e][:3].sum(), P[a:e][:7].sum(), c1, c4))
         return out
 
     def spy_update(rid, committed, n_accepted):
@@ -85,7 +94,8 @@ def record(trace, profile, batch, spec="ngramspec-adaptive"):
     base = replay(trace, make_method("none"), batch)
     speed = summarize(replay(trace, method, batch, profile), profile, base)["speedup"]
     out = {f: np.array(v) for f, v in ev.items()}
-    out["drafts"] = np.array(drafts, np.float64).reshape(-1, 7)  # E(15 nodes), accepted, run, success, mlen, E3, E7
+    # E(15 nodes), accepted, run, success, mlen, E3, E7, confidence of the last token, lowest of the last four
+    out["drafts"] = np.array(drafts, np.float64).reshape(-1, 9)
     return out, speed
 
 
@@ -93,6 +103,7 @@ MB, QB, DB, KB = np.array([2, 4, 8]), np.array([0.1, 0.25, 0.5, 0.75, 0.999]), n
 RUNB = np.array([1, 4, 8, 16, 32])  # copy run: 0 | 1-3 | 4-7 | 8-15 | 16-31 | 32+
 Q_MID = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
 SCALE = np.array([0.2, 0.35, 0.5, 0.6])
+CONFB = np.array([0.5, 0.8, 0.95, 0.99, 0.999])  # bins of the model's confidence (top-1 probability)
 
 
 @njit(cache=True)
@@ -216,7 +227,7 @@ def policy_bound(drafts, profile):
     the oracle (knows the accepted length), the controller's estimates (ratio rule with its min_gain 0.1), and
     estimates calibrated *in hindsight* (on the same drafts) per bin of the controller's estimate, of the copy
     run and of the match length: the best any calibration of these features could do (in-sample)."""
-    E15, acc, run, _, mlen, E3, E7 = drafts.T
+    E15, acc, run, _, mlen, E3, E7, c1, c4 = drafts.T
     est = {4: E3, 8: E7, 16: E15}
     cost = {w: profile.cost_ms(1, w) for w in (1, 4, 8, 16)}
 
@@ -234,7 +245,12 @@ def policy_bound(drafts, profile):
     print(f"  oracle {rate({w: np.minimum(acc, w - 1) for w in est}, 0.0):.3f}   controller's estimates "
           f"{rate(est, 0.1):.3f}")
     rb, mb = np.searchsorted(RUNB, run, side="right"), np.searchsorted([2, 4, 8, 12], mlen, side="right")
-    for name, keys in (("estimate", []), ("estimate x run", [rb]), ("estimate x run x match", [rb, mb])):
+    cases = [("estimate", []), ("estimate x run", [rb]), ("estimate x run x match", [rb, mb])]
+    if not np.isnan(c1).all():  # the model's confidence in the tokens just committed (a trace with ``conf``)
+        cb1, cb4 = (np.searchsorted(CONFB, np.nan_to_num(c, nan=0.5), side="right") for c in (c1, c4))
+        cases += [("estimate x conf", [cb1]), ("estimate x run x conf", [rb, cb1]),
+                  ("estimate x run x match x conf x conf4", [rb, mb, cb1, cb4])]
+    for name, keys in cases:
         pred = {}
         for w in est:
             k = np.searchsorted([0.25, 0.5, 0.75, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10], est[w], side="right")
@@ -242,7 +258,7 @@ def policy_bound(drafts, profile):
                 k = k * 10 + kk
             y = np.minimum(acc, w - 1)
             pred[w] = (np.bincount(k, y) / np.maximum(np.bincount(k), 1))[k]
-        print(f"  hindsight-calibrated on {name:24s} margin 0: {rate(pred, 0.0):.3f}  "
+        print(f"  hindsight-calibrated on {name:38s} margin 0: {rate(pred, 0.0):.3f}  "
               f"margin 0.1: {rate(pred, 0.1):.3f}")
 
 
@@ -254,11 +270,17 @@ def main():
     ap.add_argument("max_requests", type=int, nargs="?", default=0)
     ap.add_argument("--spec", default="ngramspec-adaptive")
     ap.add_argument("--out")
+    ap.add_argument("--conf", action="store_true",
+                    help="the trace's records carry `conf` (scripts/confidence_trace.py): score it as a feature")
     args = ap.parse_args()
     trace = load_trace(args.trace)
     if args.max_requests:
         trace = trace.head(args.max_requests)
-    ev, speed = record(trace, get_profile(args.profile), args.batch, args.spec)
+    conf = None
+    if args.conf:
+        with gzip.open(args.trace, "rt") as f:
+            conf = [np.array(json.loads(line)["conf"]) for line in f][:len(trace.requests)]
+    ev, speed = record(trace, get_profile(args.profile), args.batch, args.spec, conf)
     print(f"{trace.name} {args.profile} batch {args.batch} {args.spec}: speedup {speed:.3f}, "
           f"{len(ev['hit'])} trials, acceptance {ev['hit'].mean():.3f}")
     if args.out:
