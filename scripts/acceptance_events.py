@@ -33,6 +33,7 @@ from ngramspec.sim.profiles import get_profile
 from ngramspec.sim.simulate import replay, summarize
 from ngramspec.sim.traces import load_trace
 
+DRAFT_EXTRA = ("request", "pos", "nodes", "root_children", "p_first", "q_first", "source_first", "prev_accepted")
 FIELDS = ("source", "mlen", "q", "depth", "siblings", "success", "run", "cell", "p_used", "hit", "draft", "p_path")
 
 
@@ -45,6 +46,7 @@ def record(trace, profile, batch, spec="ngramspec-adaptive", conf=None):
     pos = defaultdict(int)
     ndraft = [0]
     drafts = []
+    prev = {}  # each request's last draft: (nodes it accepts, position in the output when it was proposed)
     ev = {f: [] for f in FIELDS}
     step_orig, update = ctl.step, method.update
 
@@ -82,8 +84,14 @@ def record(trace, profile, batch, spec="ngramspec-adaptive", conf=None):
             c1 = c4 = np.nan
             if conf is not None and p >= 1:
                 c1, c4 = conf[rid][p - 1], conf[rid][max(0, p - 4):p].min()
-            drafts.append((P[a:e].sum(), accepted_length(b.tokens[a:e], par, o, p), ctl._pend.run[s],
-                           ctl._pend.success[s], b.match_lens[i], P[a:e][:3].sum(), P[a:e][:7].sum(), c1, c4))
+            acc = accepted_length(b.tokens[a:e], par, o, p)
+            # what is known now of the request's previous draft: its accepted nodes, but only up to the tokens
+            # committed since it was proposed (a draft not sent is known to match the one committed token at most)
+            known = min(prev[rid][0], p - prev[rid][1]) if rid in prev else -1
+            drafts.append((P[a:e].sum(), acc, ctl._pend.run[s], ctl._pend.success[s], b.match_lens[i],
+                           P[a:e][:3].sum(), P[a:e][:7].sum(), c1, c4,
+                           rid, p, e - a, (par < 0).sum(), P[a], b.probs[a], b.sources[a], known))
+            prev[rid] = (acc, p)
         return out
 
     def spy_update(rid, committed, n_accepted):
@@ -94,8 +102,11 @@ def record(trace, profile, batch, spec="ngramspec-adaptive", conf=None):
     base = replay(trace, make_method("none"), batch)
     speed = summarize(replay(trace, method, batch, profile), profile, base)["speedup"]
     out = {f: np.array(v) for f, v in ev.items()}
-    # E(15 nodes), accepted, run, success, mlen, E3, E7, confidence of the last token, lowest of the last four
-    out["drafts"] = np.array(drafts, np.float64).reshape(-1, 9)
+    # E(15 nodes), accepted, run, success, mlen, E3, E7, confidence of the last token, lowest of the last four,
+    # then (DRAFT_EXTRA) request, position in its output, nodes, root children, calibrated P of the first node,
+    # its raw conditional, its source, the request's previous draft's accepted nodes as far as the tokens committed
+    # since it was proposed tell (-1: none)
+    out["drafts"] = np.array(drafts, np.float64).reshape(-1, 9 + len(DRAFT_EXTRA))
     return out, speed
 
 
@@ -220,6 +231,21 @@ def by_run(drafts):
                   f"{long[s].mean():.3f}  {acc[s & long].sum() / max(acc[long].sum(), 1):.3f}")
 
 
+def proxy_rate(acc, pred, profile, margin=0.0):
+    """The draft-level proxy's rate: per draft, the width among 1 | 4 | 8 | 16 whose predicted tokens per unit
+    time (``pred[w]``: predicted accepted nodes at width w, discounted by ``margin`` per extra decode of cost) is
+    highest; tokens 1 + min(accepted, w - 1) at the profile's cost; (tokens / time) relative to plain decoding."""
+    cost = {w: profile.cost_ms(1, w) for w in (1, 4, 8, 16)}
+    tok, t = np.ones(len(acc)), np.full(len(acc), cost[1])
+    best = np.full(len(acc), 1.0 / cost[1])
+    for w in (4, 8, 16):
+        v = (1 + pred[w]) / cost[w] / (1 + margin * (cost[w] / cost[1] - 1))
+        s = v > best
+        best[s] = v[s]
+        tok[s], t[s] = 1 + np.minimum(acc[s], w - 1), cost[w]
+    return tok.sum() / t.sum() * cost[1]
+
+
 def policy_bound(drafts, profile):
     """A draft-level proxy of what better estimates could give at batch 1: over the recorded drafts (one per step
     that had a draft), each policy picks a width among 1 | 4 | 8 | 16 per draft; tokens 1 + min(accepted, w - 1),
@@ -227,19 +253,11 @@ def policy_bound(drafts, profile):
     the oracle (knows the accepted length), the controller's estimates (ratio rule with its min_gain 0.1), and
     estimates calibrated *in hindsight* (on the same drafts) per bin of the controller's estimate, of the copy
     run and of the match length: the best any calibration of these features could do (in-sample)."""
-    E15, acc, run, _, mlen, E3, E7, c1, c4 = drafts.T
+    E15, acc, run, _, mlen, E3, E7, c1, c4 = drafts[:, :9].T
     est = {4: E3, 8: E7, 16: E15}
-    cost = {w: profile.cost_ms(1, w) for w in (1, 4, 8, 16)}
 
     def rate(pred, margin):
-        tok, t = np.ones(len(acc)), np.full(len(acc), cost[1])
-        best = np.full(len(acc), 1.0 / cost[1])
-        for w in (4, 8, 16):
-            v = (1 + pred[w]) / cost[w] / (1 + margin * (cost[w] / cost[1] - 1))
-            s = v > best
-            best[s] = v[s]
-            tok[s], t[s] = 1 + np.minimum(acc[s], w - 1), cost[w]
-        return tok.sum() / t.sum() * cost[1]
+        return proxy_rate(acc, pred, profile, margin)
 
     print(f"draft-level proxy, {profile.name}, batch 1 ({len(acc)} drafts; tokens/time relative to plain):")
     print(f"  oracle {rate({w: np.minimum(acc, w - 1) for w in est}, 0.0):.3f}   controller's estimates "
