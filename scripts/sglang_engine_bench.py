@@ -111,11 +111,17 @@ COMMON = dict(attention_backend="triton", sampling_backend="pytorch", mem_fracti
               log_level="warning", random_seed=0, disable_prefill_cuda_graph=True)
 CONFIGS = {
     "plain": {},
-    "ngram": dict(speculative_algorithm="NGRAM"),  # SGLang's own n-gram speculation at its defaults
+    "ngram": dict(speculative_algorithm="NGRAM"),  # SGLang's own n-gram speculation at its defaults (12-token trees)
+    "ngram8": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8),  # 8-token trees
     "adaptive": dict(speculative_algorithm="NGRAM_ADAPTIVE"),
     # fixed width 1 drafts nothing: multi-step plain decoding alone (plain_forwards at every batch size)
-    "adaptive_w1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1,
+    "adaptive_w1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1, "plain_forwards": 4,
                                                                                 "plain_forwards_max_batch": 48}),
+    # the step cost by width: every width in turn, one step each (the profile's durations per width and batch)
+    "adaptive_sweep": dict(speculative_algorithm="NGRAM_ADAPTIVE",
+                           adaptive_file={"width_cycle": [2, 3, 4, 6, 8, 12, 16]}),
+    # multi-step plain decoding always on at batch size 1 (the default before "auto")
+    "adaptive_pf4": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plain_forwards": 4}),
     "adaptive_pf": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"prefetch": True}),
     "adaptive_cw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": True}),
     # the wait after a draft counted as plain decoding's cost (the default before charge_waits_to_drafts was)
@@ -138,6 +144,14 @@ def chat_prompts(model: str, prompts: list[str]) -> list[str]:
         return prompts
     return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
             for p in prompts]
+
+
+def prompt_ids(model: str, sets: dict) -> dict:
+    """Each set's prompts as the token ids the server sees (for a replay in the simulator)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return {name: [tok(p)["input_ids"] for p in prompts] for name, prompts in sets.items()}
 
 
 def profile_snapshot(path: str) -> dict:
@@ -204,7 +218,8 @@ def diag_delta(before: dict, after: dict) -> dict:
     return {"reasons": {k: v for k, v in reasons.items() if v},
             "expected_tokens_per_request": (a.get("expected_tokens", 0) - b.get("expected_tokens", 0)) / planned
             if planned else None,
-            "durations": durations, "cost_estimates_ms": a.get("cost_estimates_ms", {})}
+            "durations": durations, "cost_estimates_ms": a.get("cost_estimates_ms", {}),
+            "plain_forwards": a.get("plain_forwards")}
 
 
 def sched_delta(before: dict, after: dict) -> dict | None:
@@ -247,9 +262,10 @@ def run_one(name: str, a) -> dict:
     sampling = {"temperature": 0, "max_new_tokens": a.max_new_tokens}
     sets = {"copy": chat_prompts(a.model, COPY_PROMPTS)[: a.prompts_per_set],
             "free": chat_prompts(a.model, FREE_PROMPTS)[: a.prompts_per_set]}
-    warm = chat_prompts(a.model, WARM_PROMPTS)[: a.prompts_per_set]
-    warm_copy = chat_prompts(a.model, WARM_COPY)[: a.prompts_per_set]
-    out = {"config": name, "startup_s": round(startup, 1), "runs": {}}
+    warm = chat_prompts(a.model, WARM_PROMPTS)[: min(a.prompts_per_set, a.warm_prompts)]
+    warm_copy = chat_prompts(a.model, WARM_COPY)[: min(a.prompts_per_set, a.warm_prompts)]
+    out = {"config": name, "startup_s": round(startup, 1), "runs": {}, "prompt_ids": prompt_ids(a.model, sets),
+           "warm_prompt_ids": prompt_ids(a.model, {"free": warm, "copy": warm_copy})}
     try:
         for prompt in warm + warm_copy:  # untimed, one at a time: prefill and verify shapes meet first-time costs
             engine.generate(prompt, {"temperature": 0, "max_new_tokens": 64})
@@ -332,6 +348,8 @@ def main() -> int:
     p.add_argument("--extra", default="", help="JSON object of extra sglang.Engine arguments for every config")
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     p.add_argument("--logs", help="folder for each configuration's server log (stderr)")
+    p.add_argument("--warm-prompts", type=int, default=16,
+                   help="prompts of each warm-up set generated once, one at a time, before timing (default 16)")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed passes of the warm-up prompts before each timed set at concurrency > 1")
     p.add_argument("--sched-profile", action="store_true",

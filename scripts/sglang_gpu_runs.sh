@@ -4,6 +4,11 @@
 #   bash scripts/sglang_gpu_runs.sh tiny            # random-weight Llama: fixed width 1 vs plain; TP=2 vs TP=1 (2 GPUs)
 #   bash scripts/sglang_gpu_runs.sh smollm2 MODEL   # SmolLM2-135M-Instruct float16: plain, NGRAM, NGRAM_ADAPTIVE
 #   bash scripts/sglang_gpu_runs.sh dummy8b         # Llama-8B-shaped random weights: host overhead at real step costs
+#   bash scripts/sglang_gpu_runs.sh dense8b SMOLLM2 [configs]  # SmolLM2 zero-padded to 7.48B: real text, 8B step cost
+#   bash scripts/sglang_gpu_runs.sh moe SMOLLM2 [configs]      # SmolLM2 as a 16-expert top-2 Mixtral (40 GB, sparse
+#                                                   # file): a verify reads more experts the wider it is
+#   (SMOLLM2: SmolLM2-135M-Instruct as a float16 Hugging Face folder; the padded model is built once beside it, see
+#    scripts/pad_model.py. SWEEP=1 first measures the step cost of every width: the adaptive_sweep config, short.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/sglang}; mkdir -p "$OUT"
@@ -54,5 +59,17 @@ PY
     $BENCH --model "$2" --dtype float16 --out "$OUT/smollm2.json" --logs "$OUT/logs_smollm2" --prompts-per-set 16 \
       --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive,adaptive_cw}" --timeout 400 --sched-profile
     ;;
-  *) echo "usage: $0 tiny | smollm2 MODEL_DIR [configs]" >&2; exit 2 ;;
+  dense8b|moe)
+    M=${PADDED:-$(dirname "$2")/smollm2-$1}
+    if [ ! -f "$M/model.safetensors" ]; then
+      python3 scripts/pad_model.py "$([ "$1" = moe ] && echo moe || echo dense)" "$2" "$M" | tee "$OUT/$1_build.json"
+    fi
+    if [ "${SWEEP:-0}" = 1 ]; then
+      $BENCH --model "$M" --dtype float16 --out "$OUT/$1_sweep.json" --logs "$OUT/logs_$1_sweep" --prompts-per-set 16 \
+        --max-new-tokens 48 --warm-prompts 2 --concurrency 1 16 --configs adaptive_sweep --timeout 300 --sched-profile
+    fi
+    $BENCH --model "$M" --dtype float16 --out "$OUT/$1${TAG:-}.json" --logs "$OUT/logs_$1${TAG:-}" --prompts-per-set 16 \
+      --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,adaptive,ngram8,ngram}" --timeout 420 --sched-profile
+    ;;
+  *) echo "usage: $0 tiny | smollm2 MODEL_DIR [configs] | dense8b|moe SMOLLM2_DIR [configs] | dummy8b" >&2; exit 2 ;;
 esac

@@ -64,3 +64,82 @@ def plain_forwards(limit: int, batch, max_batch: int | None = None) -> int:
         if most >= limit:
             return limit
     return most
+
+
+class ForwardsChooser:
+    """Multi-step plain decoding only where it pays, decided from measured step periods (``plain_forwards``
+    "auto", the default).
+
+    Several decode forwards per scheduler step share the scheduler's per-step host work; that pays where a decode
+    step is mostly host time (a small model) and costs where it is not (a large model's step is the GPU streaming
+    weights, and the host work of the next step already overlaps it): there a chunk of forwards runs no faster per
+    token, delays the next chance to draft by up to ``limit - 1`` tokens and hands tokens to clients in groups. So
+    per batch size it measures the period per forward of plain steps of one forward and of ``limit`` forwards
+    (each after a plain step; ``samples`` of each, the chunked one first) and then runs chunks only while their
+    period per forward is below ``1 - margin`` times a single forward's. Every ``revisit`` plain steps the arm not
+    in use runs ``samples`` steps again, so a change of load is followed. Samples are exponential moving averages
+    (weight ``alpha``). Decisions depend on the step counts and on the samples the planner shares from TP rank 0,
+    so every rank chooses the same.
+    """
+
+    def __init__(self, limit: int, max_batch: int, *, margin: float = 0.1, samples: int = 6, revisit: int = 512,
+                 alpha: float = 0.2):
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be an int >= 1, got {limit!r}")
+        self.limit, self.max_batch = limit, max_batch
+        self.margin, self.samples, self.revisit, self.alpha = margin, samples, revisit, alpha
+        self._arms: dict[int, list] = {}  # batch size -> [ema single, n single, ema chunk, n chunk, steps, revisit]
+
+    def _arm(self, batch_size: int) -> list:
+        arm = self._arms.get(batch_size)
+        if arm is None:
+            if len(self._arms) >= 256:
+                self._arms.clear()
+            arm = self._arms[batch_size] = [0.0, 0, 0.0, 0, 0, 0]
+        return arm
+
+    def observe(self, batch_size: int, forwards: int, seconds_per_forward: float) -> None:
+        """A plain step after a plain step: its period divided by its forwards."""
+        if batch_size > self.max_batch or self.limit <= 1:
+            return
+        arm, k = self._arm(batch_size), (0 if forwards == 1 else 2)
+        arm[k] = seconds_per_forward if arm[k + 1] == 0 else arm[k] + self.alpha * (seconds_per_forward - arm[k])
+        arm[k + 1] += 1
+
+    def chunked(self, batch_size: int) -> bool:
+        """Whether plain steps of this batch size should run ``limit`` forwards now (before revisits)."""
+        arm = self._arms.get(batch_size)
+        if arm is None or arm[3] < self.samples:
+            return True
+        if arm[1] < self.samples:
+            return False
+        return arm[2] < (1.0 - self.margin) * arm[0]
+
+    def forwards_limit(self, batch_size: int) -> int:
+        """The forwards a plain step of ``batch_size`` requests may run (`plain_forwards` caps it further)."""
+        if batch_size > self.max_batch or self.limit <= 1:
+            return 1
+        arm = self._arms.get(batch_size)
+        chunk = self.chunked(batch_size)
+        if arm is not None and arm[5] > 0:  # revisiting the other arm
+            chunk = not chunk
+        return self.limit if chunk else 1
+
+    def stepped(self, batch_size: int, forwards: int) -> None:
+        """A plain step of ``batch_size`` requests ran ``forwards`` forwards (counts steps toward revisits)."""
+        if batch_size > self.max_batch or self.limit <= 1:
+            return
+        arm = self._arm(batch_size)
+        if arm[5] > 0:
+            arm[5] -= 1
+            return
+        if arm[1] >= self.samples and arm[3] >= self.samples:
+            arm[4] += 1
+            if arm[4] >= self.revisit:
+                arm[4] = 0
+                arm[5] = self.samples
+
+    def summary(self) -> dict:
+        """Per batch size: ms per forward of single and chunked plain steps, sample counts, the current choice."""
+        return {str(b): {"single_ms": round(1e3 * a[0], 4), "single_n": a[1], "chunked_ms": round(1e3 * a[2], 4),
+                         "chunked_n": a[3], "chunked": self.chunked(b)} for b, a in list(self._arms.items())}

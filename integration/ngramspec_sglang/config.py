@@ -47,14 +47,18 @@ ADAPTIVE_CONFIG_KEYS = {
                               "starting to draft, not to plain decoding (default); false: it counts as "
                               "plain decoding's cost",
     "plain_forwards": "decode forwards a step that drafts nothing runs back to back (multi-step decoding: the "
-                      "scheduler's per-step host work is paid once for them); 1 to the largest width, default "
-                      f"{DEFAULT_PLAIN_FORWARDS}; 1 = one forward per scheduler step, like SGLang's own decode",
+                      "scheduler's per-step host work is paid once for them); \"auto\" (default): up to "
+                      f"{DEFAULT_PLAIN_FORWARDS}, only while the measured period per forward shows it pays; an int "
+                      "from 1 to the largest width: always that many; 1 = one forward per scheduler step, like "
+                      "SGLang's own decode",
     "plain_forwards_max_batch": "the largest decode batch (requests) whose plain steps run plain_forwards forwards; "
                                 "larger batches run one per step. Default "
                                 f"{DEFAULT_PLAIN_FORWARDS_MAX_BATCH}",
     "prefetch": "true: a step that must wait for the previous step's tokens first runs the drafting code on what "
                 "the host already holds (changing nothing), so that its real drafting after the wait finds the "
                 "CPU caches warm; pays only where that wait is long. Default false",
+    "width_cycle": "diagnostic: verify at these widths in turn, one step each, drafting what fits (a sweep of "
+                   "the step cost by width: the NGRAMSPEC_PROFILE durations); replaces the controller",
 }
 
 
@@ -72,9 +76,11 @@ class AdaptiveConfig:
     state_file: str | None = None
     state_save_minutes: float = DEFAULT_STATE_SAVE_MINUTES
     charge_waits_to_drafts: bool = True
-    plain_forwards: int | None = None  # None: DEFAULT_PLAIN_FORWARDS, at most the largest width
+    plain_forwards: int | str | None = None  # None / "auto": up to DEFAULT_PLAIN_FORWARDS where measured to pay
     plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
     prefetch: bool = False
+    width_cycle: tuple[int, ...] | None = None
+    plain_forwards_auto: bool = field(default=False, init=False)
 
     def __post_init__(self):
         widths = tuple(self.widths)
@@ -107,13 +113,22 @@ class AdaptiveConfig:
         m = self.state_save_minutes
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not m > 0 or m == float("inf"):
             raise ValueError(f"state_save_minutes must be a positive number, got {m!r}")
-        if self.plain_forwards is None:
+        if self.plain_forwards is None or self.plain_forwards == "auto":
             object.__setattr__(self, "plain_forwards", min(DEFAULT_PLAIN_FORWARDS, widths[-1]))
+            object.__setattr__(self, "plain_forwards_auto", True)
         if not _is_int(self.plain_forwards) or not 1 <= self.plain_forwards <= widths[-1]:
-            raise ValueError(f"plain_forwards must be an int from 1 to the largest width ({widths[-1]}), "
+            raise ValueError(f"plain_forwards must be \"auto\" or an int from 1 to the largest width ({widths[-1]}), "
                              f"got {self.plain_forwards!r}")
         if not _is_int(self.plain_forwards_max_batch) or self.plain_forwards_max_batch < 1:
             raise ValueError(f"plain_forwards_max_batch must be an int >= 1, got {self.plain_forwards_max_batch!r}")
+        if self.width_cycle is not None:
+            cycle = tuple(self.width_cycle) if isinstance(self.width_cycle, (list, tuple)) else ()
+            if not cycle or any(not _is_int(w) or w not in widths for w in cycle):
+                raise ValueError(f"width_cycle must be a non-empty list of widths from {widths}, got "
+                                 f"{self.width_cycle!r}")
+            if self.fixed_width is not None or self.state_file is not None:
+                raise ValueError("width_cycle replaces the controller: drop fixed_width and state_file")
+            object.__setattr__(self, "width_cycle", cycle)
         object.__setattr__(self, "widths", widths)
 
     @property
@@ -189,4 +204,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         plain_forwards=data.get("plain_forwards"),
         plain_forwards_max_batch=data.get("plain_forwards_max_batch", DEFAULT_PLAIN_FORWARDS_MAX_BATCH),
         prefetch=data.get("prefetch", AdaptiveConfig.prefetch),
+        width_cycle=data.get("width_cycle"),
     )

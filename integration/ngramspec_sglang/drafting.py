@@ -23,6 +23,7 @@ from ngramspec.cache import DraftBatch, NgramCache
 from ngramspec.controller import AdaptiveController, FixedWidthController
 from ngramspec.layout import layout_flat
 
+from .backoff import ForwardsChooser
 from .config import AdaptiveConfig
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,34 @@ class DurationSample(NamedTuple):
     after_draft: bool = False
 
 
+class PlainSample(NamedTuple):
+    """A plain step after a plain step as measured on TP rank 0: its period per forward (`backoff.ForwardsChooser`)."""
+
+    batch_size: int
+    forwards: int
+    seconds: float
+
+
+class WidthCycleController(FixedWidthController):
+    """Verify at each of ``widths`` in turn, one step each, sending the draft nodes that fit: a sweep of the step
+    cost by width in a live server (``width_cycle``). Identical on every TP rank (it counts plans)."""
+
+    def __init__(self, widths: Sequence[int]):
+        self.widths = tuple(int(w) for w in widths)
+        super().__init__(max(self.widths))
+        self._next = 0
+
+    def plan(self, rids, batch, waiting=None):
+        self.width = self.widths[self._next % len(self.widths)]
+        self._next += 1
+        return super().plan(rids, batch, waiting)
+
+
 def make_controller(config: AdaptiveConfig):
     """`ngramspec.controller.AdaptiveController` over the configured widths, or a fixed width
-    (`ngramspec.controller.FixedWidthController`)."""
+    (`ngramspec.controller.FixedWidthController`), or a width sweep (`WidthCycleController`)."""
+    if config.width_cycle is not None:
+        return WidthCycleController(config.width_cycle)
     if config.fixed_width is not None:
         return FixedWidthController(config.fixed_width)
     from ngramspec.controller import AdaptiveController
@@ -184,6 +210,9 @@ class DraftPlanner:
         self._wait_any: float | None = None  # the same over every batch size
         self._root_layouts: dict[int, tuple] = {}  # batch size -> `_root_rows`
         self._widths = frozenset(config.widths)
+        # multi-step plain decoding where measured to pay (plain_forwards "auto"), else None
+        self.forwards = (ForwardsChooser(config.plain_forwards, config.plain_forwards_max_batch)
+                         if config.plain_forwards_auto and config.plain_forwards > 1 else None)
 
     # ----------------------------------------------------------------------------------- per step
     def plan(self, views: Sequence[RequestView], waiting: int | None = None, after_draft: bool = False) -> StepPlan:
@@ -199,7 +228,10 @@ class DraftPlanner:
             samples = self.broadcast(self._local_durations if self.is_timing_rank else None) or []
             self._local_durations = []
             for s in samples:
-                if s.after_draft:
+                if type(s) is PlainSample:
+                    if self.forwards is not None:
+                        self.forwards.observe(s.batch_size, s.forwards, s.seconds)
+                elif s.after_draft:
                     self._note_wait(s.batch_size, s.seconds * 1000.0)
                 else:
                     self.controller.observe_step(s.batch_size, s.width, s.seconds * 1000.0)
@@ -255,6 +287,24 @@ class DraftPlanner:
             raise ValueError(f"step duration must be a positive finite number of seconds, got {seconds!r}")
         if self.is_timing_rank:
             self._local_durations.append(DurationSample(int(width), int(batch_size), float(seconds), after_draft))
+
+    def record_plain(self, batch_size: int, forwards: int, seconds: float) -> None:
+        """A plain step after a plain step: ``seconds`` per forward of its ``forwards`` (kept on the timing rank,
+        shared at the next sync step, for `forwards_limit`)."""
+        if self.forwards is not None and self.is_timing_rank:
+            self._local_durations.append(PlainSample(int(batch_size), int(forwards), float(seconds)))
+
+    def forwards_limit(self, batch_size: int) -> int:
+        """The decode forwards a plain step of ``batch_size`` requests may run (`backoff.plain_forwards` caps it):
+        the configured number, or with "auto" what the measured periods favour."""
+        if self.forwards is None:
+            return self.config.plain_forwards if batch_size <= self.config.plain_forwards_max_batch else 1
+        return self.forwards.forwards_limit(batch_size)
+
+    def plain_stepped(self, batch_size: int, forwards: int) -> None:
+        """A plain step ran ``forwards`` forwards (for the "auto" choice's revisits)."""
+        if self.forwards is not None:
+            self.forwards.stepped(batch_size, forwards)
 
     def record_wait(self, batch_size: int, seconds: float) -> None:
         """A plain step measured right after a drafting step (it waited for that step's tokens). Shared like the

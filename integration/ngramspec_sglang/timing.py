@@ -15,7 +15,9 @@ would set that width's estimate, and through it the estimates of the widths neve
 controller never tries them again.
 A step that runs several decode forwards back to back (a plain step of ``forwards`` forwards, see
 `backoff.plain_forwards`) is recorded as what one of its forwards cost: its period divided by ``forwards``, the
-scheduler's host work shared among them.
+scheduler's host work shared among them. Given ``record_plain``, every plain step after a plain step is also
+reported there with its forwards (``record_plain(batch_size, forwards, seconds_per_forward)``), for the choice of
+how many forwards plain steps run (`backoff.ForwardsChooser`).
 Marks are CUDA events on the forward stream (read without blocking, once the GPU has passed them), or host
 clock readings where there is no GPU.
 
@@ -37,9 +39,11 @@ class StepTimer:
 
     def __init__(self, record: Callable[[int, int, float], None], mark: Callable[[], Any],
                  passed: Callable[[Any], bool], seconds: Callable[[Any, Any], float], max_period_s: float = 10.0,
-                 drop_first_of_each_shape: bool = True, record_wait: Callable[[int, float], None] | None = None):
+                 drop_first_of_each_shape: bool = True, record_wait: Callable[[int, float], None] | None = None,
+                 record_plain: Callable[[int, int, float], None] | None = None):
         self._record = record
         self._record_wait = record_wait
+        self._record_plain = record_plain
         self._last_width = 1  # the width of the step launched last
         self._mark = mark
         self._passed = passed
@@ -53,10 +57,11 @@ class StepTimer:
         self.dropped = 0
 
     @classmethod
-    def for_device(cls, record, device_module=None, record_wait=None) -> "StepTimer":
+    def for_device(cls, record, device_module=None, record_wait=None, record_plain=None) -> "StepTimer":
         """CUDA events when ``device_module`` (e.g. ``torch.cuda``) is given, else the host clock."""
         if device_module is None:
-            return cls(record, time.perf_counter, lambda m: True, lambda a, b: b - a, record_wait=record_wait)
+            return cls(record, time.perf_counter, lambda m: True, lambda a, b: b - a, record_wait=record_wait,
+                       record_plain=record_plain)
 
         def mark():
             event = device_module.Event(enable_timing=True)
@@ -64,7 +69,7 @@ class StepTimer:
             return event
 
         return cls(record, mark, lambda e: e.query(), lambda a, b: a.elapsed_time(b) / 1000.0,
-                   record_wait=record_wait)
+                   record_wait=record_wait, record_plain=record_plain)
 
     def step_launched(self, width: int, batch_size: int, forwards: int = 1) -> None:
         """Call after a decode step's work was launched (``forwards``: the decode forwards it ran back to back)."""
@@ -93,6 +98,8 @@ class StepTimer:
                         self._record_wait(batch_size, period)
                     else:
                         self._record(width, batch_size, period / forwards)
+                        if width == 1 and not after_draft and self._record_plain is not None:
+                            self._record_plain(batch_size, forwards, period / forwards)
                     self.recorded += 1
                 else:
                     self.dropped += 1

@@ -109,9 +109,13 @@ class NgramAdaptiveWorker(NGRAMWorker):
         self._width_states: dict[int, tuple] = {}
         self._decode_state: tuple | None = None  # (attention backend, DECODE-mode graph runner) for width 1
         self._profile = _HostProfile.from_env(self._tp_group.rank_in_group)
+        if self._profile is not None:
+            self._profile.forwards_summary = lambda: (self.planner.forwards.summary()
+                                                      if self.planner.forwards is not None else None)
         self._timer = StepTimer.for_device(
             self._record_duration, None if _is_cpu else torch.get_device_module(self.device),
             record_wait=self._record_wait if self.config.charge_waits_to_drafts else None,
+            record_plain=self._record_plain,
         )
         self._drafted_last = False  # the last decode step drafted: the next one waits for its tokens
         self._backoff = PlanBackoff()  # plan less often while plans draft nothing
@@ -142,6 +146,9 @@ class NgramAdaptiveWorker(NGRAMWorker):
 
     def _record_wait(self, batch_size: int, seconds: float) -> None:
         self.planner.record_wait(batch_size, seconds)
+
+    def _record_plain(self, batch_size: int, forwards: int, seconds: float) -> None:
+        self.planner.record_plain(batch_size, forwards, seconds)
 
     def _record_duration(self, width: int, batch_size: int, seconds: float) -> None:
         self.planner.record_duration(width, batch_size, seconds)
@@ -381,8 +388,9 @@ class NgramAdaptiveWorker(NGRAMWorker):
             if roots is not None:
                 self._backoff.skip_planning()
                 t_plan = time.perf_counter()
-                forwards = plain_forwards(self.config.plain_forwards, batch, self.config.plain_forwards_max_batch)
+                forwards = plain_forwards(self.planner.forwards_limit(bs), batch)
                 result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids, forwards)
+                self.planner.plain_stepped(bs, forwards)
                 self._timer.step_launched(1, bs, forwards)
                 if self._profile is not None:
                     self._profile.add(1, bs, True, 0.0, t_plan - t0, time.perf_counter() - t_plan,
@@ -413,7 +421,8 @@ class NgramAdaptiveWorker(NGRAMWorker):
                 roots = torch.from_numpy(np.ascontiguousarray(plan.tokens[:, 0], dtype=np.int64))
             # the step right after a drafting step stays one forward: it waited, and its period is that wait's
             if not self._drafted_last:
-                forwards = plain_forwards(self.config.plain_forwards, batch, self.config.plain_forwards_max_batch)
+                forwards = plain_forwards(self.planner.forwards_limit(bs), batch)
+                self.planner.plain_stepped(bs, forwards)
             result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids, forwards)
         else:
             # the root is the last committed token, not yet in the KV cache
@@ -671,6 +680,7 @@ class _HostProfile:
         self.durations: dict[str, list[float]] = {}  # "width/batch" -> [samples, seconds, min, max]
         self.controller = None
         self.batches: set = set()
+        self.forwards_summary = None  # () -> the "auto" plain-forwards choice per batch size, or None
         dump_periodically(lambda: self.steps, self.dump, "ngramspec-profile")
 
     @classmethod
@@ -735,7 +745,8 @@ class _HostProfile:
                 costs[str(b)] = {str(w): [round(float(c), 4), bool(m)] for w, c, m in zip(widths, row[0], row[1])}
         out["_diag"] = {"reasons": self.reasons, "planned_requests": self.expected[0],
                         "expected_tokens": self.expected[1], "expected_tokens_drafting": self.expected[2],
-                        "durations": self.durations, "cost_estimates_ms": costs}
+                        "durations": self.durations, "cost_estimates_ms": costs,
+                        "plain_forwards": self.forwards_summary() if self.forwards_summary is not None else None}
         with open(self.path, "w") as f:
             json.dump(out, f, indent=1)
 

@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ngramspec_sglang.backoff import PlanBackoff, plain_forwards
+from ngramspec_sglang.backoff import ForwardsChooser, PlanBackoff, plain_forwards
 
 
 def run(widths_when_planning, steps, max_skipped=3):
@@ -68,3 +68,47 @@ def test_plain_forwards_only_for_batches_up_to_the_limit():
 def test_one_forward_where_a_later_forward_would_need_host_state_the_chunk_skips(state):
     assert plain_forwards(4, batch_of([50, 50], **state)) == 1
     assert plain_forwards(4, batch_of([50, 50], masks=[False, False])) == 4
+
+
+def _choose(single_ms, chunk_ms, steps=80, **kw):
+    """Drive a ForwardsChooser at batch size 1 as the worker does: each plain step takes the limit it gives, and its
+    period per forward (single or chunked) comes back as a sample. Returns the forwards of every step."""
+    c, seen = ForwardsChooser(4, 1, samples=3, revisit=20, **kw), []
+    for _ in range(steps):
+        f = c.forwards_limit(1)
+        c.stepped(1, f)
+        c.observe(1, f, (single_ms if f == 1 else chunk_ms) / 1e3)
+        seen.append(f)
+    return c, seen
+
+
+def test_auto_forwards_chunk_only_where_a_forward_costs_less_chunked():
+    # host-bound model: a chunk of 4 forwards costs 0.5 ms a forward against 2 ms alone -> chunks after exploring
+    c, seen = _choose(2.0, 0.5)
+    assert seen[:6] == [4, 4, 4, 1, 1, 1] and c.chunked(1)
+    assert seen[6:26].count(4) == 20 and seen[26:29] == [1, 1, 1]  # revisits the single arm after `revisit` steps
+    # GPU-bound model: chunks cost as much per forward (here 2% more) -> one forward per step, chunks only to revisit
+    c, seen = _choose(4.6, 4.7)
+    assert seen[:6] == [4, 4, 4, 1, 1, 1] and not c.chunked(1)
+    assert seen[6:26] == [1] * 20 and seen[26:29] == [4, 4, 4]
+    # within the margin (5% cheaper, margin 10%): not worth delaying drafts for
+    assert not _choose(4.0, 3.8)[0].chunked(1)
+    # summary for the profile
+    assert _choose(2.0, 0.5)[0].summary()["1"]["chunked"] is True
+
+
+def test_auto_forwards_follow_a_change_of_cost_and_leave_larger_batches_alone():
+    c = ForwardsChooser(4, 1, samples=2, revisit=10)
+    for f, ms in [(4, 1.0), (4, 1.0), (1, 2.0), (1, 2.0)]:
+        c.observe(1, f, ms / 1e3)
+    assert c.chunked(1)
+    for _ in range(30):  # chunks become dear (the same samples every rank gets): the EMA turns the choice
+        c.observe(1, 4, 3.0 / 1e3)
+    assert not c.chunked(1)
+    assert c.forwards_limit(2) == 1  # above max_batch
+    c.observe(2, 4, 0.1)  # ignored
+    assert "2" not in c.summary()
+    assert ForwardsChooser(1, 1).forwards_limit(1) == 1
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError):
+            ForwardsChooser(bad, 1)

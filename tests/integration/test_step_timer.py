@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ngramspec_sglang.config import resolve_config
+from ngramspec_sglang.config import AdaptiveConfig, resolve_config
 from ngramspec_sglang.timing import StepTimer
 
 
@@ -165,7 +165,9 @@ def test_the_plain_forwards_knob_is_read_and_validated(tmp_path):
         path.write_text(json.dumps({"widths": [1, 2, 8], **data}))
         return resolve_config(SimpleNamespace(speculative_adaptive_config=str(path)))
 
-    assert config_from({}).plain_forwards == 4
+    assert config_from({}).plain_forwards == 4 and config_from({}).plain_forwards_auto  # "auto": up to 4
+    assert config_from({"plain_forwards": "auto"}).plain_forwards_auto
+    assert not config_from({"plain_forwards": 4}).plain_forwards_auto  # an int: always that many
     assert config_from({}).plain_forwards_max_batch == 1
     assert config_from({"plain_forwards_max_batch": 16}).plain_forwards_max_batch == 16
     for bad in (0, 1.5, None, "2"):
@@ -177,3 +179,52 @@ def test_the_plain_forwards_knob_is_read_and_validated(tmp_path):
     for bad in (0, 9, 2.0, True, "4"):  # the KV reserved per request per step holds the largest width
         with pytest.raises(ValueError, match="plain_forwards"):
             config_from({"plain_forwards": bad})
+
+
+def test_plain_steps_after_plain_steps_reach_record_plain_with_their_forwards():
+    plain, records = [], []
+    clock = iter(float(t) for t in range(100))
+    timer = StepTimer(lambda *r: records.append(r), lambda: next(clock), lambda m: True, lambda a, b: b - a,
+                      drop_first_of_each_shape=False, record_wait=lambda *r: None,
+                      record_plain=lambda *r: plain.append(r))
+    for width, forwards in [(1, 1), (1, 4), (1, 4), (8, 1), (1, 1), (1, 1)]:
+        timer.step_launched(width, 1, forwards)
+    # periods: 1 time unit each; the first step has no period, the plain step after the verify is a wait
+    assert plain == [(1, 4, 0.25), (1, 4, 0.25), (1, 1, 1.0)]
+    assert (8, 1, 1.0) in records
+
+
+def test_planner_shares_plain_samples_and_the_auto_choice_is_the_same_on_every_rank(tmp_path):
+    from ngramspec_sglang.drafting import DraftPlanner, RequestView, WidthCycleController
+
+    def config(**kw):
+        return AdaptiveConfig(widths=(1, 2, 4), max_depth=8, capacity=1 << 16, tp_sync_interval=1, **kw)
+
+    shared = []
+    rank0 = DraftPlanner(config(), broadcast=lambda obj: shared.append(list(obj)) or obj)
+    rank1 = DraftPlanner(config(), is_timing_rank=False, broadcast=lambda obj: shared[-1])
+    assert rank0.forwards is not None and rank0.forwards_limit(1) == 4 and rank0.forwards_limit(2) == 1
+    views = [RequestView("r", [1, 2, 3], [])]
+    for step in range(12):  # chunks cost 3 ms a forward, single forwards 2 ms
+        f = rank0.forwards_limit(1)
+        assert rank1.forwards_limit(1) == f
+        rank0.plain_stepped(1, f)
+        rank1.plain_stepped(1, f)
+        rank0.record_plain(1, f, (3.0 if f > 1 else 2.0) / 1e3)
+        rank1.record_plain(1, f, 99.0)  # not the timing rank: never used
+        views = [RequestView("r", [1, 2, 3], list(range(step + 1)))]
+        rank0.plan(views)
+        rank1.plan(views)
+    assert rank0.forwards.summary() == rank1.forwards.summary()
+    assert rank0.forwards_limit(1) == rank1.forwards_limit(1) == 1
+    fixed = DraftPlanner(config(plain_forwards=2))
+    assert fixed.forwards is None and fixed.forwards_limit(1) == 2 and fixed.forwards_limit(3) == 1
+    # the width sweep: widths in turn, drafts cut to fit
+    sweep = DraftPlanner(config(width_cycle=(2, 4, 1)))
+    assert isinstance(sweep.controller, WidthCycleController)
+    text = [7, 8, 9] * 6
+    widths = [sweep.plan([RequestView("s", text, text[: k])]).width for k in range(1, 7)]
+    assert widths == [2, 4, 1, 2, 4, 1]
+    for bad in ({"width_cycle": []}, {"width_cycle": [3]}, {"width_cycle": [2], "fixed_width": 2}):
+        with pytest.raises(ValueError, match="width_cycle"):
+            config(**{k: tuple(v) if isinstance(v, list) else v for k, v in bad.items()})
