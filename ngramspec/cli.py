@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 SUBCOMMANDS = {
     "simulate": ("ngramspec.sim.simulate", "Will n-gram speculation help on my traffic? Replay request logs "
@@ -53,6 +54,29 @@ def missing_package_line(command: str, exc: ImportError) -> str:
         hint = _EXTRAS.get(name, name)
         return f"ngramspec {command}: error: needs the optional package {name!r} (pip install '{hint}')"
     return f"ngramspec {command}: error: {text}"
+
+
+def check_output(path: str | None, option: str, example: str = "results.json") -> None:
+    """Make sure the output file `path` (given as `option`) can be written before a long run, so a bad path does
+    not cost the results: ValueError naming the option otherwise (for a folder, `example` is the file name it
+    suggests inside it). A file this creates is removed again; `-` (stdout) passes."""
+    if not path or path == "-":
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: is a folder; give a file name inside it, e.g. {target / example}")
+    folder = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise ValueError(f"{option} {path}: cannot write there ({folder} is a file, not a folder)")
+    existed = target.exists()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {path}: cannot write there ({exc.strerror or exc})") from None
+    if not existed:
+        target.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:

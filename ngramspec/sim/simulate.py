@@ -29,11 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ngramspec.cli import check_output
 from ngramspec.controller import DEFAULT_WIDTHS
 from ngramspec.layout import accepted_length
 from ngramspec.sim.methods import Method, make_method
 from ngramspec.sim.profiles import CostProfile, get_profile
-from ngramspec.sim.traces import Trace, load_trace
+from ngramspec.sim.traces import Trace, load_trace, trace_name
 
 BASELINE = "none"
 
@@ -241,6 +242,19 @@ def check_profiles(profile_specs) -> list[CostProfile]:
     return profiles
 
 
+def check_traces(trace_paths) -> None:
+    """Each trace once, and no two with one name (they would share the rows, table lines and plot bars)."""
+    seen: dict = {}
+    for path in map(str, trace_paths):
+        name = trace_name(path)
+        if name in seen:
+            if Path(seen[name]).resolve() == Path(path).resolve():
+                raise ValueError(f"trace {path} is given twice; give each once")
+            raise ValueError(f"traces {seen[name]} and {path} are both named {name!r}; give each once (rename a "
+                             "file to tell them apart)")
+        seen[name] = path
+
+
 def run_all(trace_paths, method_specs, profile_specs, batches, jobs: int = 1, max_requests: int | None = None,
             progress: bool = True, tokenizer: str | None = None, host_cost: str = "none") -> list[dict]:
     """Replay every (trace, method, batch), once per profile only where the method needs it; cost them all.
@@ -249,6 +263,7 @@ def run_all(trace_paths, method_specs, profile_specs, batches, jobs: int = 1, ma
         raise ValueError(f"max_requests must be >= 1, got {max_requests}")
     if len(set(method_specs)) != len(method_specs):
         raise ValueError("a method is given twice")
+    check_traces(trace_paths)
     profiles = check_profiles(profile_specs)
     _set_tokenizer(tokenizer)
     for path in trace_paths:  # load (and tokenize) each trace once up front: format errors before any replay
@@ -308,17 +323,20 @@ def format_table(rows: list[dict]) -> str:
 
 
 def format_wide(rows: list[dict]) -> str:
-    """One line per (trace, method): tokens per step per batch size, then speedup per (profile, batch)."""
+    """One line per (trace, method): tokens per step per batch size, then speedup per (profile, batch).
+
+    The per-batch columns come from the first profile of that batch, which their heading names (a method that
+    adapts to the cost profile drafts differently under each; the JSON rows hold every profile's figures)."""
     batches = list(dict.fromkeys(r["batch"] for r in rows))
     panels = list(dict.fromkeys((r["profile"], r["batch"]) for r in rows))
+    first = {b: next(p for p, pb in panels if pb == b) for b in batches}
     index = {(r["trace"], r["method"], r["profile"], r["batch"]): r for r in rows}
-    heads = ["trace", "method"] + [f"accept_len b{b}" for b in batches] + [f"drafted/step b{b}" for b in batches] \
-        + [f"speedup {p} b{b}" for p, b in panels]
+    heads = ["trace", "method"] + [f"accept_len {first[b]} b{b}" for b in batches] \
+        + [f"drafted/step {first[b]} b{b}" for b in batches] + [f"speedup {p} b{b}" for p, b in panels]
     lines = ["| " + " | ".join(heads) + " |", "|---|---|" + "---:|" * (len(heads) - 2)]
     for trace, method in dict.fromkeys((r["trace"], r["method"]) for r in rows):
         def pick(batch, profile=None):
-            profile = profile or next(p for p, b in panels if b == batch)
-            return index[(trace, method, profile, batch)]
+            return index[(trace, method, profile or first[batch], batch)]
         cells = [f"{pick(b)['accept_len']:.3f}" for b in batches] + \
                 [f"{pick(b)['drafted_per_step']:.2f}" for b in batches] + \
                 [f"{pick(b, p)['speedup']:.3f}" for p, b in panels]
@@ -520,7 +538,21 @@ def _method_help() -> str:
             "Trace formats (JSON Lines, optionally .gz), one request per line: token ids {\"prompt\": [..], "
             "\"output\": [..]};\ntext {\"prompt\": \"..\", \"output\": \"..\"}; OpenAI chat {\"messages\": [..]} "
             "ending with the assistant's reply, or\nwith the reply in \"output\"/\"response\" (a string or a chat "
-            "completion object). Text needs --tokenizer.")
+            "completion object). Plain text (.txt): each line is one request's output, or each block when\n"
+            "blank lines separate them (its first token stands as the prompt). Text needs --tokenizer.")
+
+
+def check_plot(path: str | None) -> None:
+    """A plot file name with an image type matplotlib writes (it would add .png to a name without one)."""
+    if not path:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    types = FigureCanvasBase.get_supported_filetypes()
+    if not Path(path).is_dir() and Path(path).suffix[1:].lower() not in types:
+        kinds = ", ".join("." + t for t in sorted(types))
+        raise ValueError(f"--plot {path}: give a file name ending in an image type ({kinds})")
+    check_output(path, "--plot", "results.png")
 
 
 def _positive(text: str) -> int:
@@ -538,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="ngramspec simulate", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Replay request logs (token ids or text) under cost profiles and compare draft methods.",
         epilog=_method_help())
-    parser.add_argument("traces", nargs="+", metavar="TRACE", help="JSONL request logs (.jsonl or .jsonl.gz)")
+    parser.add_argument("traces", nargs="+", metavar="TRACE",
+                        help="request logs: JSON Lines (.jsonl or .jsonl.gz) or plain text (.txt, with --tokenizer)")
     parser.add_argument("--method", action="append",
                         help="method spec NAME:key=value,... (repeatable); without it, the answer (see below)")
     parser.add_argument("--profile", action="append",
@@ -567,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     labels: dict[str, str] = {}
     answer = not args.method
     try:
+        check_output(args.json, "--json")
+        check_plot(args.plot)
         if answer:
             usable, notes = answer_methods()
             methods = [spec for _, spec in usable]
@@ -588,11 +623,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(rows, sys.stdout, indent=1)
         print()
     elif args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
     if args.plot:
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         plot(rows, args.plot)
     return 0
 

@@ -158,7 +158,10 @@ def make_method(spec: str) -> Method:
         unknown = sorted(set(params) - set(accepted))
         if unknown:
             raise ValueError(f"method {name!r} takes parameters {sorted(accepted) or 'none'}, not {unknown}")
-    method = factory(**params)
+    try:
+        method = factory(**params)
+    except ValueError as exc:  # a bad parameter value: say which spec it came from
+        raise ValueError(f"method {spec.strip()!r}: {exc}") from None
     method.name = spec.strip()
     return method
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from ngramspec.cache import NgramCache
 from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
-from ngramspec.sim.methods import Method, register_method
+from ngramspec.sim.methods import Method, positive_int, register_method
 
 _EMPTY = np.zeros(0, np.int32)
 
@@ -34,7 +34,7 @@ class AdaptiveMethod(Method):
             except ValueError:
                 raise ValueError(f"widths must look like 1-2-4-8-16, got {widths!r}") from None
         else:
-            widths = [w for w in DEFAULT_WIDTHS if w <= max_width]
+            widths = [w for w in DEFAULT_WIDTHS if w <= positive_int(max_width, "max_width")]
         if prior == "default":
             prior_fn = None
         elif prior in ("seed-pcie8", "h200-llama8b") or prior.endswith(".json"):
