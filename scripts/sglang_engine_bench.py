@@ -17,9 +17,12 @@ Before any timed set, each prompt of two other sets (WARM_PROMPTS, free text, an
 generated once, one at a time, untimed; at concurrency > 1 each timed set is also preceded by --warmup untimed
 passes of both sets at that concurrency: a run of a second or two otherwise pays the first-time (JIT) costs of its
 new prefill, batch and verify shapes inside its figure (copy-heavy traffic is what makes a drafting configuration
-verify wide at that batch size). Every configuration gets the same warm-up; no timed prompt is ever generated
-twice by one engine. Kernels that Triton still compiles during a timed set are listed per set
-(``new_triton_kernels``: new entries in TRITON_CACHE_DIR, default ~/.triton/cache).
+verify wide at that batch size). Every configuration gets the same warm-up. The concurrency levels time the same
+prompts, so before each level after the first the server's caches are flushed (`Engine.flush_cache`: the radix
+cache, SGLang's n-gram corpus, NGRAM_ADAPTIVE's cache and controller); without it an n-gram cache would hold the
+earlier level's outputs of the very prompts it times (`--no-flush` keeps them, as runs before this option did).
+Kernels that Triton still compiles during a timed set are listed per set (``new_triton_kernels``: new entries in
+TRITON_CACHE_DIR, default ~/.triton/cache).
 
 Prompts: two built-in sets, chat-formatted with the model's template: `copy` (code edits, reformatting,
 repetition: output copies much of the prompt) and `free` (open questions and creative writing).
@@ -269,7 +272,10 @@ def run_one(name: str, a) -> dict:
     try:
         for prompt in warm + warm_copy:  # untimed, one at a time: prefill and verify shapes meet first-time costs
             engine.generate(prompt, {"temperature": 0, "max_new_tokens": 64})
-        for conc in a.concurrency:
+        for i, conc in enumerate(a.concurrency):
+            if i and not a.no_flush:  # the n-gram caches forget the earlier level's outputs of the same prompts
+                out.setdefault("flushed_before", []).append(conc)
+                engine.flush_cache()
             for set_name, prompts in sets.items():
                 if conc > 1:  # untimed, other prompts: batch shapes meet their first-time costs here, not in the figure
                     for _ in range(a.warmup):
@@ -348,6 +354,10 @@ def main() -> int:
     p.add_argument("--extra", default="", help="JSON object of extra sglang.Engine arguments for every config")
     p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     p.add_argument("--logs", help="folder for each configuration's server log (stderr)")
+    p.add_argument("--no-flush", action="store_true",
+                   help="keep the caches between concurrency levels (by default each level after the first starts "
+                        "from a flushed server: its prompts are the same, and an n-gram cache would hold their "
+                        "outputs from the earlier level)")
     p.add_argument("--warm-prompts", type=int, default=16,
                    help="prompts of each warm-up set generated once, one at a time, before timing (default 16)")
     p.add_argument("--warmup", type=int, default=1,
