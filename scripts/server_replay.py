@@ -278,13 +278,15 @@ def replay_runs(bench: dict, profile, configs: dict[str, str], carry: bool = Tru
         except ImportError as exc:
             skipped.append({"config": config, "method": spec, "reason": str(exc).splitlines()[0]})
             continue
+        flushed, last_conc = set(result.get("flushed_before") or ()), None
         for key in order:
             run = result["runs"].get(key)
             if run is None:
                 continue
             _, conc = parse_run(key)
-            if not carry and key != order[0]:
-                method = make_method(spec)
+            if (not carry and key != order[0]) or (conc != last_conc and conc in flushed):
+                method = make_method(spec)  # a cold method, or the server flushed its caches before this level
+            last_conc = conc
             trace, _ = traces[key]
             rep = replay(trace, method, conc, profile)
             s = summarize(rep, profile, baselines[key])
@@ -394,7 +396,11 @@ def main(argv: list[str] | None = None) -> int:
                      "previous run left them")
         sets = [parse_run(k)[0] for k in bench["plain"]["runs"]]
         again = sorted({x for x in sets if sets.count(x) > 1})
-        if again:
+        flushed = sorted({c for r in bench.values() if isinstance(r, dict) for c in r.get("flushed_before") or ()})
+        if flushed:
+            notes.append("the server flushed its caches before concurrency level(s) "
+                         f"{', '.join(map(str, flushed))}: the replay starts those levels from a cold method too")
+        elif again:
             notes.append(f"set(s) {', '.join(again)} ran at more than one concurrency with the same prompts: with the "
                          "state carried over, a later run's cache already holds the earlier run's outputs (as the "
                          "server's cache did)")
