@@ -2,18 +2,19 @@
 Beta vs logistic predictor, interleaved rounds on one trace's first requests (oracle-free: committed tokens are
 each step's accepted draft prefix + the next true token, as a server's would be).
 
-    python scripts/predictor_host_cost.py TRACE [REQUESTS] [ROUNDS]
+    python scripts/research/predictor_host_cost.py TRACE [REQUESTS] [ROUNDS]
 """
 import sys
 import time
 
 import numpy as np
 
-from ngramspec.cache import NgramCache, warm_up
+from ngramspec.cache import NgramCache
 from ngramspec.controller import AdaptiveController
 from ngramspec.layout import accepted_length
 from ngramspec.sim.profiles import get_profile
 from ngramspec.sim.traces import load_trace
+from ngramspec.warmup import warm_up
 
 
 def one(trace, predictor, profile):

@@ -1,10 +1,10 @@
 """How far a learned acceptance predictor over the cache's features could go: gradient-boosted trees, cross-validated.
 
-    python scripts/learned_bound.py TRACE [MAX_REQUESTS] [--replay-profile seed-pcie8] [--folds 5] [--simulate]
+    python scripts/research/learned_bound.py TRACE [MAX_REQUESTS] [--replay-profile seed-pcie8] [--folds 5] [--simulate]
 
 Needs scikit-learn (not a dependency of ngramspec: ``pip install scikit-learn``).
 
-Replays TRACE with `ngramspec-adaptive` (``scripts/acceptance_events.py``'s ``record``) and takes every proposed
+Replays TRACE with `ngramspec-adaptive` (``acceptance_events.py``'s ``record``) and takes every proposed
 draft (sent or not) with what the cache and the controller know when it is proposed: the controller's estimates
 of accepted nodes at 3, 7 and 15 nodes, the first node's calibrated probability, raw conditional and source, the
 match length, the nodes and root children of the draft, the request's copy run (committed tokens since the last

@@ -1,7 +1,7 @@
-"""Per-prompt speedups of a batch-1 run of `scripts/h200_bench.py`: each prompt's decode time (the sum of its
+"""Per-prompt speedups of a batch-1 run of `scripts/engine_gpu_bench.py`: each prompt's decode time (the sum of its
 steps' milliseconds) under plain greedy over its decode time under each policy, same workload and mode.
 
-    python scripts/h200_per_prompt.py DIR/bench.json [MORE.json ...]
+    python scripts/engine_per_prompt.py DIR/bench.json [MORE.json ...]
 
 With several runs of the same prompts it also prints, per policy, each prompt's median speedup over the runs: a
 prompt's two turns (plain, then the policy) last about a second each, and a stretch of a slower host in one of

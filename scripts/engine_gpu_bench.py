@@ -1,6 +1,6 @@
 """End-to-end speed of the reference engine: plain greedy vs speculation, batch 1 and 16, copy-heavy and free text.
 
-    python scripts/h200_bench.py --out out/ [--gguf PATH] [--policies plain,tree:k=8,adaptive] [--batches 1,16]
+    python scripts/engine_gpu_bench.py --out out/ [--gguf PATH] [--policies plain,tree:k=8,adaptive] [--batches 1,16]
                                  [--modes eager,graph] [--max-new-tokens 256] [--prompts 16]
 
 For every workload x batch x mode it runs each policy on the same prompts (a fresh NgramCache per run, kept

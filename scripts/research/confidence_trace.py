@@ -1,13 +1,13 @@
 """A trace of SmolLM2's own greedy outputs with the model's confidence in every output token.
 
-    python scripts/confidence_trace.py OUT.jsonl.gz [--mtbench TRACE.jsonl.gz] [--max-new-tokens 384]
+    python scripts/research/confidence_trace.py OUT.jsonl.gz [--mtbench TRACE.jsonl.gz] [--max-new-tokens 384]
                                        [--batch 64] [--device cuda] [--gguf SmolLM2.gguf]
 
 Prompts: the engine's 16 copy-heavy and 16 free-text prompts and, with ``--mtbench``, the prompts of a dev trace
 in cl100k (decoded to text, each sent as one user turn). Each record is a trace record (``prompt``, ``output``:
 SmolLM2 token ids) plus ``conf`` (the softmax probability of each output token, the model's top-1) and
 ``margin`` (top-1 minus top-2). Batched greedy `generate` with left padding; outputs stop at the end-of-turn
-token. ``scripts/acceptance_events.py TRACE ... --conf`` then asks whether the confidence of the tokens just
+token. ``scripts/research/acceptance_events.py TRACE ... --conf`` then asks whether the confidence of the tokens just
 committed tells which drafts will be accepted (one GPU minute for the 192 prompts at 384 tokens; on a 2-core
 CPU about 13 tokens a second).
 """

@@ -7,7 +7,7 @@
 #                reasoning 375)
 # About 25 minutes on the 2-core dev machine. Writes $OUT_DIR/warm/*.json.
 set -eu  # no pipefail: zcat | head ends zcat early by design
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 T=../shared/traces
 OUT=${OUT_DIR:-out}/warm
 mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 """Per-node acceptance events of the adaptive controller's drafts, and the log loss of acceptance predictors.
 
-    python scripts/acceptance_events.py TRACE PROFILE BATCH [MAX_REQUESTS] [--out EVENTS.npz] [--conf]
+    python scripts/research/acceptance_events.py TRACE PROFILE BATCH [MAX_REQUESTS] [--out EVENTS.npz] [--conf]
 
 Replays TRACE with `ngramspec-adaptive` and records, for every node of every proposed draft (sent or not) whose
 parent the model accepted (a "trial": the events the calibration counts), the features the controller sees
@@ -11,7 +11,7 @@ events in order (predict, then learn from the outcome), every predictor of `ngra
 and prints the log loss, the Brier score and a calibration summary of each; then a draft-level proxy of what
 better estimates could give at batch 1 (``policy_bound``; a rough indication only: it scores each recorded draft
 on its own, while in a replay a draft not sent leaves its tokens to the next steps). With ``--conf`` (a trace
-from ``scripts/confidence_trace.py``, whose records carry the model's confidence in each output token) the proxy
+from ``confidence_trace.py``, whose records carry the model's confidence in each output token) the proxy
 also calibrates on that confidence: a signal a server has that the cache does not.
 
 Predictors scored (all prequential over the same events; "used" is what the replayed controller itself used,
@@ -289,7 +289,7 @@ def main():
     ap.add_argument("--spec", default="ngramspec-adaptive")
     ap.add_argument("--out")
     ap.add_argument("--conf", action="store_true",
-                    help="the trace's records carry `conf` (scripts/confidence_trace.py): score it as a feature")
+                    help="the trace's records carry `conf` (confidence_trace.py): score it as a feature")
     args = ap.parse_args()
     trace = load_trace(args.trace)
     if args.max_requests:

@@ -1,6 +1,6 @@
 """GPU smoke test of the engine's code paths with a small random-weight Llama (no model file needed).
 
-    python scripts/h200_smoke.py
+    python scripts/engine_gpu_smoke.py
 
 Checks on the current CUDA device: eager plain == eager tree speculation == CUDA-graph tree speculation, at
 batch 1 and 4, and prints one line per check. Exit status 1 if any output differs or a path raises.

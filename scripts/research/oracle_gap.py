@@ -1,6 +1,6 @@
 """Where the adaptive controller's gain falls short of the oracle controller's, step by step, at batch 1.
 
-    python scripts/oracle_gap.py TRACE PROFILE [MAX_REQUESTS]
+    python scripts/research/oracle_gap.py TRACE PROFILE [MAX_REQUESTS]
 
 Replays TRACE with `ngramspec-adaptive` and, for every step, scores two choices on the same proposed draft: the
 controller's (the prefix it sent, or nothing) and the oracle's (`oracle-ctl`: the accepted prefix, or nothing,

@@ -1,6 +1,6 @@
 """Where the adaptive controller's acceptance estimates go wrong on one trace (the figures in docs/controller.md).
 
-    python scripts/controller_diagnostics.py TRACE PROFILE BATCH [MAX_REQUESTS]
+    python scripts/research/controller_diagnostics.py TRACE PROFILE BATCH [MAX_REQUESTS]
 
 Replays TRACE with `ngramspec-adaptive` and prints, for every proposed draft (sent or not):
   - expected vs realized tokens at the widest width, binned by the expected value (calibration);

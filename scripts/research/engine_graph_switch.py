@@ -1,6 +1,6 @@
 """Does a verify step of width 1 cost more right after a wider one? The engine's steps, one request, CUDA graphs.
 
-    python scripts/h200_graph_switch.py [--gguf PATH] [--wide 9] [--reps 60]
+    python scripts/research/engine_graph_switch.py [--gguf PATH] [--wide 9] [--reps 60]
 
 Captures graphs for widths 1..16 (as the adaptive policy does) and times steps exactly as
 `SpecDecoder.generate` does (host inputs, graph replay, argmax read back): a run of width-1 steps alone, then a
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main(argv=None) -> int:
