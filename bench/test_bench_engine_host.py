@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 from ngramspec import NgramCache
-from ngramspec.cache import warm_up
 from ngramspec.sim.traces import dev_trace_paths, load_trace
+from ngramspec.warmup import warm_up
 
 torch = pytest.importorskip("torch")
 from ngramspec.engine.decode import SpecDecoder  # noqa: E402

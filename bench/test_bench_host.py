@@ -45,11 +45,11 @@ import numpy as np
 import pytest
 
 from ngramspec import NgramCache
-from ngramspec.cache import warm_up
 from ngramspec.controller import DEFAULT_WIDTHS, AdaptiveController
 from ngramspec.layout import accepted_path
 from ngramspec.sim.profiles import get_profile
 from ngramspec.sim.traces import dev_trace_paths, load_trace
+from ngramspec.warmup import warm_up
 
 TRACES = {p.name.split(".")[0]: p for p in dev_trace_paths()}
 TRACE = os.environ.get("HOST_BENCH_TRACE", "chat_gpt4")

@@ -28,6 +28,7 @@ import numpy as np
 from numba import typed
 
 from ngramspec import _draft, _shared, _trie
+from ngramspec._cache_api import I32, I64, Direct, fix
 
 MAX_TOKEN = 2**31 - 1  # the largest token id: ids lie in [0, 2**31) (int32 storage; -1 marks "none")
 MAX_BUDGET = 4096  # draft nodes per request and step
@@ -177,8 +178,8 @@ class NgramCache:
                                           np.empty(D + _draft.SCRATCH_BUDGET + 1, np.int32),
                                           _draft.tree_scratch(_draft.SCRATCH_BUDGET))
         self._shared_state = _draft.SharedState(self._s_nodes, self._s_table, self._s_root, self._arena)
-        self._append_kernel = _Direct(self, "_append_kernel", _draft.append_batch)  # (see _Direct: these
-        self._propose_kernel = _Direct(self, "_propose_kernel", _draft.propose_batch)  # skip numba's dispatch)
+        self._append_kernel = Direct(self, "_append_kernel", _draft.append_batch)  # (see Direct: these
+        self._propose_kernel = Direct(self, "_propose_kernel", _draft.propose_batch)  # skip numba's dispatch)
         self._budgets: dict[int, np.ndarray] = {}  # budget -> an array of it (read-only use), grown on demand
         self._one_slot = np.zeros(1, np.int64)  # kernel arguments of single-request calls, reused
         self._one_offsets = np.zeros(2, np.int64)
@@ -254,7 +255,7 @@ class NgramCache:
                 raise ValueError(f"budgets must be one integer or one per request ({B}), got {budgets!r}")
             if not all(_is_int(b) and 1 <= b <= MAX_BUDGET for b in budgets):
                 raise ValueError(f"budgets must be integers in [1, {MAX_BUDGET}], got {list(budgets)!r}")
-            bud = _fix(np.asarray(budgets, dtype=np.int64).reshape(B), _I64)
+            bud = fix(np.asarray(budgets, dtype=np.int64).reshape(B), I64)
             total = int(bud.sum())
         o_tok = np.empty(total, np.int32)
         o_par = np.empty(total, np.int32)
@@ -383,7 +384,7 @@ class NgramCache:
         """Append tokens ``flat[offsets[i]:offsets[i+1]]`` (int32, validated but for negative ids: those raise
         ValueError and change nothing) to slot ``slots[i]``. One kernel call, and one more per history array
         that has to grow first."""
-        self._append(_fix(slots, _I64), _fix(flat, _I32), _fix(offsets, _I64))
+        self._append(fix(slots, I64), fix(flat, I32), fix(offsets, I64))
 
     def _reserve(self, n_tokens: int) -> None:
         """Make the own tries' hash view large enough for ``n_tokens`` more tokens (at most D new nodes each)."""
@@ -400,7 +401,7 @@ class NgramCache:
             self._shared_state = self._shared_state._replace(table=view)
 
     def _append(self, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray) -> None:
-        """`_append_flat` for `_fixed` arrays."""
+        """`_append_flat` for `fixed` arrays."""
         while True:
             code = self._append_kernel(slots, flat, offsets, self.max_depth, self._own_state, self._hists)
             if code == 0:
@@ -464,55 +465,10 @@ class NgramCache:
         """``propose`` for validated, distinct slots and one budget, into reused output buffers: the returned
         arrays are views that the next call overwrites (the controller's ``step`` copies what it keeps)."""
         o_tok, o_par, o_prob, o_src, offsets, mlens, bud = self._propose_buffers(slots.shape[0], budget)
-        n = self._propose_kernel(_fix(slots, _I64), bud, bool(tree), self.max_depth, self.use_shared,
+        n = self._propose_kernel(fix(slots, I64), bud, bool(tree), self.max_depth, self.use_shared,
                                  int(self._ring[_shared.S_EPOCH]), self._own_state, self._hists, self._shared_state,
                                  o_tok, o_par, o_prob, o_src, offsets, mlens)
         return self._batch_view(slots.shape[0], n)
-
-
-_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
-
-
-def _fixed(a, dtype: np.dtype) -> bool:
-    """Whether ``a`` has the one numba type the `_Direct` kernels take for an array argument: a 1-D,
-    C-contiguous, aligned, writeable base ndarray of the native ``dtype``."""
-    return type(a) is np.ndarray and a.dtype is dtype and a.ndim == 1 and a.flags.carray
-
-
-def _fix(a, dtype: np.dtype) -> np.ndarray:
-    """``a`` itself when it is `_fixed`, else a `_fixed` copy."""
-    return a if _fixed(a, dtype) else np.array(a, dtype=dtype, order="C").reshape(-1)
-
-
-class _Direct:
-    """A jitted kernel called through the compiled entry point of the argument types of its first call.
-
-    numba's dispatcher works out every argument's type on every call to pick the compiled version: about 0.05 µs
-    per array, 0.5 µs for the typed List of histories and 1-2 µs per named tuple of state arrays, 1-4 µs per call
-    of the append and propose kernels. Calling the entry point skips that, and is only correct while every
-    argument keeps its numba type: one `_Direct` per cache and kernel, called with the cache's own state (arrays,
-    their `OwnState` / `SharedState` bundles and the typed List, all fixed at construction), Python ints and bools
-    of fixed meaning, and arrays that went through `_fix`. The first call goes through the dispatcher (compiling
-    or loading the kernel) and then puts the entry point in its place, ``owner.<attr>``, so that later calls go
-    to it without even this object's frame; should numba's internals not offer it, the dispatcher goes there."""
-
-    __slots__ = ("owner", "attr", "kernel")
-
-    def __init__(self, owner, attr: str, kernel):
-        self.owner, self.attr, self.kernel = owner, attr, kernel
-
-    def __call__(self, *args):
-        out = self.kernel(*args)
-        try:
-            from numba.core.typing.typeof import Purpose, typeof
-
-            sig = tuple(typeof(a, Purpose.argument) for a in args)
-            entry = self.kernel.overloads[sig].entry_point
-        except Exception:  # numba internals changed: keep the dispatcher
-            entry = self.kernel
-        setattr(self.owner, self.attr, entry)
-        self.owner = None
-        return out
 
 
 class _NegativeToken(ValueError):
@@ -520,11 +476,11 @@ class _NegativeToken(ValueError):
 
 
 def _flatten(token_lists) -> np.ndarray | None:
-    """The common kinds of batch input (lists of Python ints; 1-D integer arrays) as one `_fixed` int32 array,
+    """The common kinds of batch input (lists of Python ints; 1-D integer arrays) as one `fixed` int32 array,
     checked but for negative ids (the append kernel checks those). None for other kinds or for invalid tokens."""
     if len(token_lists) == 1 and type(token_lists[0]) is np.ndarray:
         t = token_lists[0]
-        if t.dtype is _I32 and t.ndim == 1 and t.flags.carray:
+        if t.dtype is I32 and t.ndim == 1 and t.flags.carray:
             return t  # (the kernel only reads it)
     if all(type(t) is list for t in token_lists):
         items = [x for t in token_lists for x in t]
@@ -538,7 +494,7 @@ def _flatten(token_lists) -> np.ndarray | None:
             return None
     if token_lists and all(isinstance(t, np.ndarray) and t.ndim == 1 and t.dtype.kind in "iu" for t in token_lists):
         flat = np.concatenate(token_lists)
-        if flat.dtype is _I32:
+        if flat.dtype is I32:
             return flat
         try:
             return as_tokens(flat, "tokens")
@@ -548,8 +504,9 @@ def _flatten(token_lists) -> np.ndarray | None:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) every kernel of the cache and of the adaptive controller, on
-    throwaway objects: the first real ``propose`` + ``plan`` is then fast. Touches no other state."""
+    """Compile (or load from numba's cache) every kernel of the cache, on a throwaway cache: the first real
+    ``start_request``, ``add_tokens``, ``propose`` and ``finish_request`` are then fast. Touches no other state.
+    `ngramspec.warmup.warm_up` compiles the controller's and the verify layout's kernels as well."""
     c = NgramCache(max_depth=4, max_requests=2, local_nodes=64, shared_nodes=64, shared_tokens=64)
     c.start_request(0, [1, 2, 3, 1, 2])
     c.add_tokens_batch([0], [[3]])
@@ -558,24 +515,4 @@ def warm_up() -> None:
     c.count([1, 2], rid=0)
     c.match_length(0)
     _trie.rehash(c._l_nodes, c._l_table, c._l_meta)  # what a hash view's growth runs (these pools never grow)
-    c.start_request(1, [1, 2, 1, 2])
-    from ngramspec.controller import AdaptiveController
-
-    ctl = AdaptiveController(widths=(1, 2, 3))
-    ctl.start(0)
-    ctl.start(1)
-    for waiting in (None, 0):
-        batch, _ = ctl.step(c, [0, 1], [[1], [2, 1]], waiting=waiting)
-        ctl.plan([0, 1], c.propose([0, 1], 2), waiting=waiting)
-        ctl.observe_tokens(0, [2])
-        ctl.observe_batch([0, 1], [[1], np.array([2], np.int32)])
-        for w in (1, 2, 3):
-            ctl.observe_step(2, w, 1.0 + w)
-        ctl.observe_step(1, 2, 2.5)
-    ctl.costs.estimate(64, 2)
-    ctl.node_values([0], c.propose([0], 2))
     c.finish_request(0, share=True)
-    c.finish_request(1, share=True)
-    from ngramspec import layout
-
-    layout.warm_up()

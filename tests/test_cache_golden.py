@@ -181,8 +181,8 @@ def test_kernel_arguments_of_other_types_are_converted_not_misread():
 
 
 def test_direct_kernel_call_falls_back_to_the_dispatcher():
-    """Without numba's compiled overloads to call (a plain function here), `_Direct` calls the kernel itself."""
-    from ngramspec.cache import _Direct
+    """Without numba's compiled overloads to call (a plain function here), `Direct` calls the kernel itself."""
+    from ngramspec._cache_api import Direct
 
     class Owner:
         pass
@@ -193,7 +193,7 @@ def test_direct_kernel_call_falls_back_to_the_dispatcher():
         calls.append(args)
         return len(calls)
 
-    owner.k = _Direct(owner, "k", kernel)
+    owner.k = Direct(owner, "k", kernel)
     assert (owner.k(1, 2), owner.k(3), owner.k()) == (1, 2, 3)
     assert calls == [(1, 2), (3,), ()] and owner.k is kernel
 
@@ -203,6 +203,6 @@ def test_direct_kernel_call_goes_to_the_entry_point():
     cache = NgramCache(**LARGE)
     cache.start_request(0, [1, 2, 3, 1, 2, 3, 1, 2])
     first = cache.propose([0], 4)
-    assert type(cache._propose_kernel).__name__ != "_Direct" and type(cache._append_kernel).__name__ != "_Direct"
+    assert type(cache._propose_kernel).__name__ != "Direct" and type(cache._append_kernel).__name__ != "Direct"
     again = cache.propose([0], 4)
     assert first.tokens.tolist() == again.tokens.tolist() == [3, 1, 2, 3]

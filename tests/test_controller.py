@@ -561,8 +561,9 @@ try:  # as in a server or the engine
     import torch  # noqa: F401
 except ImportError:
     pass
-from ngramspec.cache import NgramCache, warm_up
+from ngramspec.cache import NgramCache
 from ngramspec.controller import AdaptiveController
+from ngramspec.warmup import warm_up
 warm_up()
 cache, ctl = NgramCache(), AdaptiveController()
 cache.start_request(9, [1, 2])  # a step whose tokens need more than the trie's hash view holds: it grows first

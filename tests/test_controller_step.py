@@ -8,7 +8,7 @@ import pytest
 
 from ngramspec import NgramCache
 from ngramspec.controller import AdaptiveController
-from ngramspec.controller.adaptive import _host_step
+from ngramspec.controller.step import _host_step
 from ngramspec.sim.profiles import get_profile
 
 PROFILE = get_profile("seed-pcie8")

@@ -67,7 +67,8 @@ _OFF = textwrap.dedent('''
     sys.modules["ngramspec._nrt"] = n
 ''')
 _KINDS = ("from ngramspec._draft import _propose, append_own\n"
-          "from ngramspec.controller.adaptive import _ctl_step, _host_core\n"
+          "from ngramspec.controller.choose import _ctl_step\n"
+          "from ngramspec.controller.step import _host_core\n"
           "print(*[f.targetoptions.get('_nrt', True) for f in (_propose, append_own, _ctl_step, _host_core)])\n")
 
 
@@ -96,5 +97,6 @@ def test_this_numba_runs_the_step_without_reference_counting():
     assert _nrt.NO_REFCOUNT == {"_nrt": False}
     assert _nrt.NO_REFCOUNT_LIST == {"_nrt": False, "no_cpython_wrapper": True}
     from ngramspec._draft import _propose, append_own
-    from ngramspec.controller.adaptive import _ctl_step, _host_core
+    from ngramspec.controller.choose import _ctl_step
+    from ngramspec.controller.step import _host_core
     assert [f.targetoptions.get("_nrt", True) for f in (_propose, append_own, _ctl_step, _host_core)] == [False] * 4

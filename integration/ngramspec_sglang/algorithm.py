@@ -9,7 +9,7 @@ SGLang 0.5.23 calls on the builtin enum but `CustomSpecAlgo` lacks (`carries_dra
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
@@ -21,21 +21,11 @@ from .config import (
     UNSUPPORTED_OPTIONS,
     resolve_config,
 )
+from .host_seq_lens import cpu_seq_lens_need
 
 logger = logging.getLogger(__name__)
 
 WORKER_PATH = "ngramspec_sglang.worker:NgramAdaptiveWorker"
-
-# Set by the worker in the scheduler process (it exists before SGLang builds the overlap relay): whether the
-# attention backends it runs read host sequence lengths. SGLang assumes any n-gram verify does (NGRAM sizes its
-# full mask from them, each step); ours takes them from the tokens it waits for anyway, so with backends that do
-# not need them the scheduler need not wait for the previous step's lengths, and a plain decode step overlaps.
-_backends_need_cpu_seq_lens: Callable[[], bool] | None = None
-
-
-def set_cpu_seq_lens_need(need: Callable[[], bool] | None) -> None:
-    global _backends_need_cpu_seq_lens
-    _backends_need_cpu_seq_lens = need
 
 
 class NgramAdaptiveAlgo(CustomSpecAlgo):
@@ -63,8 +53,9 @@ class NgramAdaptiveAlgo(CustomSpecAlgo):
     ):
         from sglang.srt.managers.overlap_utils import FutureMap
 
-        if _backends_need_cpu_seq_lens is not None:
-            needs_cpu_seq_lens = bool(_backends_need_cpu_seq_lens())
+        need = cpu_seq_lens_need()  # the worker's answer (`host_seq_lens`), if it gave one
+        if need is not None:
+            needs_cpu_seq_lens = need
             logger.info("%s: overlap relay %s host sequence lengths", ALGORITHM_NAME,
                         "with" if needs_cpu_seq_lens else "without")
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)

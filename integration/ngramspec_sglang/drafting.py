@@ -336,7 +336,7 @@ class DraftPlanner:
     def warm_up(self) -> None:
         """Compile every kernel the planner uses (cache, controller, layout) on throwaway objects of the same
         kinds; the planner's own cache, controller, counters and timings are untouched."""
-        from ngramspec.cache import warm_up
+        from ngramspec.warmup import warm_up
 
         warm_up()
         cache = NgramCache(max_depth=self.config.max_depth, max_requests=4, local_nodes=256, shared_nodes=256,

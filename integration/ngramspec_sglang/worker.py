@@ -60,10 +60,10 @@ from sglang.srt.speculative.spec_utils import (
 )
 from sglang.srt.utils import is_cpu
 
-from .algorithm import set_cpu_seq_lens_need
 from .backoff import PlanBackoff, plain_forwards
 from .config import resolve_config
 from .drafting import DraftPlanner
+from .host_seq_lens import set_cpu_seq_lens_need
 from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens, request_views
 from .sched_profile import dump_periodically
 from .state import StateKeeper

@@ -2,7 +2,9 @@
 
 - ``protocol``: the ``Controller`` protocol, ``Plan``, ``DEFAULT_WIDTHS``, the input validators and the static
   controllers (``FixedWidthController``, ``FixedBudgetController``);
-- ``adaptive``: ``AdaptiveController``, which drafts only what pays (see its module docstring);
+- ``adaptive``: ``AdaptiveController``, which drafts only what pays (see its module docstring), combined from a
+  module per phase of its step: ``observe``, ``estimate``, ``choose``; ``step`` (the whole host step with the
+  cache) and ``persist`` (its learned state, saved and loaded);
 - ``cost``: its cost model c(B, n) (``CostModel``) and calibration tables as priors;
 - ``calibration``: its acceptance calibration (``Calibration``, the counts behind ``AdaptiveController.calibration``).
 """

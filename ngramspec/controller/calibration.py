@@ -240,7 +240,7 @@ def node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, r
 @njit(cache=True)
 def _node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, run, dep, kids):
     """`node_cells` on int64 scratch ``dep`` and ``kids`` of at least n and n + 1 entries (n nodes): it allocates
-    nothing (see ``adaptive._ctl_step``)."""
+    nothing (see ``choose._ctl_step``)."""
     for i in range(offsets.shape[0] - 1):
         a = offsets[i]
         m = np.searchsorted(MBINS, mlens[i], side="right")

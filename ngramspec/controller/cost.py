@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 from numba import njit
 
-from ngramspec.cache import _Direct
+from ngramspec._cache_api import Direct
 from ngramspec.controller.protocol import DEFAULT_WIDTHS, check_widths, is_int
 
 
@@ -338,7 +338,7 @@ def _cost_row_all(s, B, widths, clock, stale_after, costs, measured, stale, impl
     """A whole `CostRow` in one call: ``_cost_row`` into ``costs``, ``_cost_near`` into ``measured`` / ``stale``,
     and ``implied``: ``costs``, but for a stale width the estimate the other widths imply for it. ``tmp``: scratch
     of two floats per width. Allocates nothing (it runs in the step kernel, compiled without numba's reference
-    counting: see ``adaptive._ctl_step``)."""
+    counting: see ``choose._ctl_step``)."""
     W = widths.shape[0]
     direct = tmp[W:]
     _cost_row(s, B, widths, -1, costs, direct)
@@ -381,9 +381,9 @@ class CostModel:
                                global_ratio=np.zeros(1), has_global=np.zeros(1, np.bool_))
         self._prior_rows = 0  # rows of state.prior filled (batch sizes 1 .. _prior_rows - 1)
         self._rows: dict = {}
-        # the kernels through their compiled entry points (numba's per-call dispatch costs a few us; see _Direct)
-        self._observe_kernel = _Direct(self, "_observe_kernel", _cost_observe)
-        self._row_kernel = _Direct(self, "_row_kernel", _cost_row_all)
+        # the kernels through their compiled entry points (numba's per-call dispatch costs a few us; see Direct)
+        self._observe_kernel = Direct(self, "_observe_kernel", _cost_observe)
+        self._row_kernel = Direct(self, "_row_kernel", _cost_row_all)
 
     def _ensure(self, batch: int) -> None:
         """Grow the tables to hold batch size ``batch`` and tabulate the prior up to it."""

@@ -77,10 +77,10 @@ _warmed = False
 
 def _warm_up_once() -> None:
     """Compile (or load) every kernel of the cache and controller once per process, before the first
-    speculative request, so that no step of it stalls on a first-time compile (`ngramspec.cache.warm_up`)."""
+    speculative request, so that no step of it stalls on a first-time compile (`ngramspec.warmup.warm_up`)."""
     global _warmed
     if not _warmed:
-        from ngramspec.cache import warm_up
+        from ngramspec.warmup import warm_up
 
         warm_up()
         _warmed = True

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # compile numba's kernels and warm torch on both paths, at full length on a throwaway cache and policy, so no
     # timing below pays for first-call costs (kernel selection, allocator growth, JIT)
-    from ngramspec.cache import warm_up
+    from ngramspec.warmup import warm_up
 
     warm_up()
     decoder.generate([prompts[0]], args.max_new_tokens, eos_token_id=eos)

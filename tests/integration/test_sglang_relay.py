@@ -169,7 +169,7 @@ def test_relayed_last_tokens_reads_each_requests_last_accepted_token(sglang_part
 
 
 def test_the_worker_decides_whether_the_relay_carries_host_sequence_lengths(sglang_parts):
-    from ngramspec_sglang.algorithm import set_cpu_seq_lens_need
+    from ngramspec_sglang.host_seq_lens import set_cpu_seq_lens_need
 
     algo = sglang_parts[0]
     pool = SimpleNamespace(req_to_token=torch.zeros((8, 64), dtype=torch.int32))

@@ -57,7 +57,7 @@ class AdaptiveMethod(Method):
         self._profile_name = ""
 
     def warmup(self) -> None:
-        from ngramspec.cache import warm_up
+        from ngramspec.warmup import warm_up
 
         warm_up()
 

@@ -24,7 +24,7 @@ class NgramspecStatic(Method):
         self._width = 1
 
     def warmup(self):
-        from ngramspec.cache import warm_up
+        from ngramspec.warmup import warm_up
 
         warm_up()
 

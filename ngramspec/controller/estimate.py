@@ -1,0 +1,95 @@
+"""The adaptive controller's second phase, **estimate**: what each width would be worth in this step.
+
+- the benefit: each draft node's calibrated P(accepted) (its calibration cell's counts, ``calibration``), each
+  request's expected accepted nodes at each width (``G``) and the batch's expected tokens at each width
+  (`_estimate`, into the `Scratch`);
+- the cost: c(B, n) of each width at this batch size, from the cost model (``cost``), plus what drafting costs
+  beyond its own step (`_estimate_costs`, into the ``CostRow``).
+
+`Estimating` is the controller's Python side of it (`node_values`, and the scratch it sizes).
+"""
+from __future__ import annotations
+
+from typing import Hashable, NamedTuple, Sequence
+
+import numpy as np
+from numba import njit
+
+from ngramspec.cache import DraftBatch
+from ngramspec.controller.calibration import _node_cells, _node_values, node_cells, node_values
+from ngramspec.controller.cost import _cost_row_all
+
+
+class Scratch(NamedTuple):
+    """Per-step scratch of the width choice, grown on demand."""
+
+    cells: np.ndarray  # [nodes] int64: each draft node's calibration cell
+    P: np.ndarray  # [nodes] float64: each node's calibrated P(accepted)
+    G: np.ndarray  # [requests, widths] float64: expected accepted nodes per request and width
+    values: np.ndarray  # [widths] float64: each width's value (-inf: not considered)
+    expected: np.ndarray  # [widths] float64: expected tokens of the step at each width
+    depth: np.ndarray  # [nodes] int64: `node_cells`' scratch (each node's depth)
+    kids: np.ndarray  # [nodes + 1] int64: `node_cells`' scratch (children per parent)
+    cols: np.ndarray  # [6] int64: the logistic correction's scratch
+
+
+@njit(cache=True)
+def _estimate(parents, probs, sources, offsets, mlens, slots, success, run, cal, prior_mean, strength, widths, sc):
+    """The benefit of each width for the drafts of one step: fills the scratch ``sc``'s cells, P, G and
+    expected (the batch's tokens at each width: one per request plus its expected accepted nodes)."""
+    B = offsets.shape[0] - 1
+    W = widths.shape[0]
+    cells, G, expected = sc.cells, sc.G, sc.expected
+    _node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, run, sc.depth, sc.kids)
+    _node_values(parents, offsets, cells, cal, prior_mean, strength, widths, sc.P, G, sc.cols)
+    for w in range(W):
+        acc = 0.0
+        for i in range(B):
+            acc += G[i, w]
+        expected[w] = B + acc
+
+
+@njit(cache=True)
+def _estimate_costs(cstate, B, widths, clock, stale_after, row, tmp, switch):
+    """The cost of each width at batch size ``B`` (the cost row, into ``row``; ``tmp``: scratch), every width > 1
+    costing ``switch`` more."""
+    _cost_row_all(cstate, B, widths, clock, stale_after, row.costs, row.measured, row.stale, row.implied, tmp)
+    if switch > 0.0:
+        for w in range(widths.shape[0]):
+            if widths[w] > 1:
+                row.costs[w] += switch
+
+
+class Estimating:
+    """`AdaptiveController`'s estimate phase: the calibrated value of a batch's draft nodes, and the per-step
+    scratch (``_sc``, a `Scratch`) sized for the batch. Reads the calibration (``calibration``, ``prior_mean``,
+    ``prior_strength``), the requests' recent success (``_pend``) and ``widths``."""
+
+    def _scratch(self, B: int, n: int) -> None:
+        sc = self._sc
+        if n > sc.cells.shape[0]:
+            m = max(n, 2 * sc.cells.shape[0])
+            sc = sc._replace(cells=np.zeros(m, np.int64), P=np.zeros(m), depth=np.zeros(m, np.int64),
+                             kids=np.zeros(m + 1, np.int64))
+        if B > sc.G.shape[0]:
+            sc = sc._replace(G=np.zeros((max(B, 2 * sc.G.shape[0]), len(self.widths))))
+        self._sc = sc
+
+    @staticmethod
+    def _check_batch(B: int, batch: DraftBatch) -> None:
+        if not isinstance(batch, DraftBatch):
+            raise TypeError(f"batch must be a DraftBatch (from NgramCache.propose), got {type(batch).__name__}")
+        if len(batch) != B:
+            raise ValueError(f"{B} request ids but {len(batch)} drafts")
+
+    def node_values(self, rids: Sequence[Hashable], batch: DraftBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Calibrated P(accepted) of every node of the batch, and each node's calibration cell."""
+        slots = self._slots(rids)
+        self._check_batch(len(slots), batch)
+        n = batch.parents.shape[0]
+        cells, P, G = np.zeros(n, np.int64), np.zeros(n), np.zeros((len(slots), len(self.widths)))
+        node_cells(batch.parents, batch.probs, batch.sources, batch.offsets, batch.match_lens, slots,
+                   self._pend.success, cells, self._pend.run)
+        node_values(batch.parents, batch.offsets, cells, self.calibration, self.prior_mean, self.prior_strength,
+                    self._widths, P, G)
+        return P, cells
