@@ -60,9 +60,12 @@ PY
       --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive,adaptive_cw}" --timeout 400 --sched-profile
     ;;
   dense8b|moe)
-    M=${PADDED:-$(dirname "$2")/smollm2-$1}
+    # PAD_ARGS: sizes for scripts/pad_model.py (e.g. PAD_ARGS="--top-k 1 --intermediate 45056"), one model folder each
+    M=${PADDED:-$(dirname "$2")/smollm2-$1$(echo "${PAD_ARGS:-}" | tr -dc 'a-z0-9')}
     if [ ! -f "$M/model.safetensors" ]; then
-      python3 scripts/pad_model.py "$([ "$1" = moe ] && echo moe || echo dense)" "$2" "$M" | tee "$OUT/$1_build.json"
+      # shellcheck disable=SC2086
+      python3 scripts/pad_model.py "$([ "$1" = moe ] && echo moe || echo dense)" "$2" "$M" ${PAD_ARGS:-} \
+        | tee "$OUT/$1${TAG:-}_build.json"
     fi
     if [ "${SWEEP:-0}" = 1 ]; then
       $BENCH --model "$M" --dtype float16 --out "$OUT/$1_sweep.json" --logs "$OUT/logs_$1_sweep" --prompts-per-set 16 \
