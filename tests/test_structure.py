@@ -157,6 +157,9 @@ def _reaches(module: str) -> set[str]:
     ("ngramspec.controller", "ngramspec.warmup"),
     ("ngramspec_sglang.worker", "ngramspec_sglang.algorithm"),  # `host_seq_lens` carries the worker's answer
     ("ngramspec_sglang.host_seq_lens", "ngramspec_sglang.worker"),
+    ("ngramspec_sglang.worker_startup", "ngramspec_sglang.worker"),  # the worker's phases do not know its class
+    ("ngramspec_sglang.worker_forward", "ngramspec_sglang.worker"),
+    ("ngramspec_sglang.diagnostics", "ngramspec_sglang.worker"),
 ])
 def test_lower_layers_do_not_know_higher_ones(lower, higher):
     """Statically (lazy imports included) and at run time: ``lower`` does not import ``higher``."""

@@ -1,8 +1,9 @@
 """The SGLang API the GPU worker relies on, checked statically against the installed sglang (CPU).
 
 `ngramspec_sglang.worker` cannot be imported without libcuda, so these tests read the installed sglang sources:
-every name the worker imports exists, and the methods, parameters and fields it calls are there. They guard
-the pinned range (sglang>=0.5.23,<0.6) against drift; behaviour on a GPU is tested by test_sglang_gpu.py.
+every name the worker's modules (`WORKER_MODULES`) import exists, and the methods, parameters and fields it calls
+are there. They guard the pinned range (sglang>=0.5.23,<0.6) against drift; behaviour on a GPU is tested by
+test_sglang_gpu.py.
 """
 import ast
 import importlib.util
@@ -13,7 +14,9 @@ import pytest
 pytest.importorskip("sglang")
 
 pytestmark = pytest.mark.sglang
-WORKER = Path(__file__).resolve().parents[2] / "integration" / "ngramspec_sglang" / "worker.py"
+PLUGIN = Path(__file__).resolve().parents[2] / "integration" / "ngramspec_sglang"
+# the worker class and the modules its phases live in (start-up, forwards, diagnostics)
+WORKER_MODULES = [PLUGIN / name for name in ("worker.py", "worker_startup.py", "worker_forward.py", "diagnostics.py")]
 
 
 def module_file(module: str) -> Path:
@@ -69,15 +72,35 @@ def method_params(module: str, cls: str, method: str) -> list[str]:
     raise LookupError(f"{cls}.{method} not found in {module}")
 
 
-def test_every_sglang_name_the_worker_imports_exists():
+def test_the_worker_modules_are_all_checked():
+    """WORKER_MODULES is worker.py, the modules of NgramAdaptiveWorker's mixins (imported by worker.py from the
+    plugin) and diagnostics.py: a new mixin module must be added to it."""
+    tree = ast.parse(WORKER_MODULES[0].read_text())
+    worker = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "NgramAdaptiveWorker")
+    bases = {b.id for b in worker.bases if isinstance(b, ast.Name)}
+    mixins = {PLUGIN / f"{node.module}.py" for node in tree.body if isinstance(node, ast.ImportFrom)
+              and node.level == 1 and bases & {a.name for a in node.names}}
+    assert len(mixins) == 2 and {WORKER_MODULES[0], PLUGIN / "diagnostics.py"} | mixins == set(WORKER_MODULES)
+
+
+@pytest.mark.parametrize("path", WORKER_MODULES, ids=lambda p: p.name)
+def test_every_sglang_name_the_worker_imports_exists(path):
     checked = 0
-    for node in ast.parse(WORKER.read_text()).body:
+    for node in ast.walk(ast.parse(path.read_text())):  # lazy imports inside methods included
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang"):
             names = top_level_names(node.module)
             for alias in node.names:
-                assert alias.name in names, f"{node.module} has no {alias.name}"
+                assert alias.name in names, f"{path.name}: {node.module} has no {alias.name}"
                 checked += 1
-    assert checked >= 20
+    assert checked >= 5 or path.name == "diagnostics.py"  # (which imports no sglang module today)
+
+
+def test_the_worker_modules_import_at_least_what_worker_py_imported():
+    """Together they import at least 20 sglang names (worker.py alone did before the split)."""
+    names = {(node.module, a.name) for path in WORKER_MODULES for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sglang")
+             for a in node.names}
+    assert len(names) >= 20
 
 
 @pytest.mark.parametrize("module, cls, method, params", [

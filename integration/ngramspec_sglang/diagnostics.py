@@ -1,0 +1,119 @@
+"""Diagnostics of `NgramAdaptiveWorker`, both off by default: `HostProfile` (NGRAMSPEC_PROFILE=FILE, host
+seconds per decode step by phase) and `DraftLog` (NGRAMSPEC_DRAFT_LOG=PREFIX, a CRC32 per step of what each TP
+rank verified)."""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import numpy as np
+
+from .sched_profile import dump_periodically
+
+
+class HostProfile:
+    """Host seconds per decode step by phase (NGRAMSPEC_PROFILE=FILE): waiting for the previous step's tokens,
+    drafting and width choice, then launching the forward (mask, indices, model, sampling), per kind of step
+    (plain without waiting, plain after waiting, verify), with the controller's reasons, expected tokens, measured
+    step durations and cost estimates. Rank 0 rewrites FILE with the running sums four times a second while steps
+    run (readers difference two snapshots); for diagnosis, off by default."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.steps = 0
+        self.rows: dict[str, list[float]] = {}
+        self.reasons: dict[str, int] = {}  # why each planned step got its width
+        self.expected = [0, 0.0, 0.0]  # planned requests, expected committed tokens (all, drafting steps only)
+        self.durations: dict[str, list[float]] = {}  # "width/batch" -> [samples, seconds, min, max]
+        self.controller = None
+        self.batches: set = set()
+        self.forwards_summary = None  # () -> the "auto" plain-forwards choice per batch size, or None
+        dump_periodically(lambda: self.steps, self.dump, "ngramspec-profile")
+
+    @classmethod
+    def from_env(cls, rank: int):
+        path = os.environ.get("NGRAMSPEC_PROFILE")
+        return cls(path) if path and rank == 0 else None
+
+    def add_duration(self, width: int, batch_size: int, seconds: float) -> None:
+        row = self.durations.setdefault(f"{width}/{batch_size}", [0, 0.0, float("inf"), 0.0])
+        row[0] += 1
+        row[1] += seconds
+        row[2] = min(row[2], seconds)
+        row[3] = max(row[3], seconds)
+
+    def add(self, width: int, batch_size: int, lagging: bool, wait_s: float, plan_s: float, launch_s: float,
+            forward_s: float, graph: bool, plan=None, controller=None, forwards: int = 1, parts=None,
+            verify_parts=None) -> None:
+        """One step; ``parts``: seconds of plan_s spent in (prefetch, the request views: waiting for the previous
+        step's tokens when the step needs them, the first planner call); ``verify_parts``: of a verify's launch_s,
+        the seconds before its forward call (mask, indices, cache locations), in its sampling and after it
+        (accepted tokens, KV moves, the result)."""
+        key = ("plain-overlapped" if lagging else "plain") if width == 1 else "verify"
+        if plan is not None:
+            self.reasons[plan.reason] = self.reasons.get(plan.reason, 0) + 1
+            self.expected[0] += batch_size
+            self.expected[1] += float(plan.expected_tokens)
+            if width > 1:
+                self.expected[2] += float(plan.expected_tokens)
+            self.controller = controller
+            self.batches.add(batch_size)
+        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        if parts is not None:
+            row[9] += parts[0]
+            row[10] += parts[1]
+            row[11] += parts[2]
+        if verify_parts is not None:
+            row[12] += verify_parts[0]
+            row[13] += verify_parts[1]
+            row[14] += verify_parts[2]
+        row[6] += forward_s
+        row[7] += bool(graph)
+        row[8] += forwards
+        row[0] += 1
+        row[1] += batch_size
+        row[2] += wait_s
+        row[3] += plan_s
+        row[4] += launch_s
+        row[5] += width
+        self.steps += 1
+
+    def dump(self) -> None:
+        out = {k: {"steps": r[0], "requests": r[1], "width": r[5], "wait_s": r[2], "plan_s": r[3], "launch_s": r[4],
+                   "forward_s": r[6], "graph_steps": r[7], "forwards": r[8], "prefetch_s": r[9], "views_s": r[10],
+                   "planner_s": r[11], "verify_prepare_s": r[12], "verify_sample_s": r[13], "verify_after_s": r[14]}
+               for k, r in self.rows.items()}
+        costs = {}
+        estimates = getattr(getattr(self.controller, "costs", None), "row", None)
+        if estimates is not None:
+            widths = self.controller.costs.widths
+            for b in sorted(self.batches)[:8]:
+                row = estimates(b)
+                costs[str(b)] = {str(w): [round(float(c), 4), bool(m)] for w, c, m in zip(widths, row[0], row[1])}
+        out["_diag"] = {"reasons": self.reasons, "planned_requests": self.expected[0],
+                        "expected_tokens": self.expected[1], "expected_tokens_drafting": self.expected[2],
+                        "durations": self.durations, "cost_estimates_ms": costs,
+                        "plain_forwards": self.forwards_summary() if self.forwards_summary is not None else None}
+        with open(self.path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+class DraftLog:
+    """One line per decode step: width and a CRC32 of the verified tokens and tree mask
+    (NGRAMSPEC_DRAFT_LOG=PREFIX writes PREFIX.rank<N> on every TP rank; identical files show the ranks drafted
+    identical trees). For checks, off by default."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "w", buffering=1)
+
+    @classmethod
+    def from_env(cls, rank: int):
+        prefix = os.environ.get("NGRAMSPEC_DRAFT_LOG")
+        return cls(f"{prefix}.rank{rank}") if prefix else None
+
+    def write(self, plan) -> None:
+        tokens = np.ascontiguousarray(plan.tokens, dtype=np.int64)
+        mask = np.ascontiguousarray(plan.mask, dtype=np.bool_)
+        crc = zlib.crc32(mask.tobytes(), zlib.crc32(tokens.tobytes()))
+        self.file.write(f"{plan.width} {tokens.shape[0]} {crc:08x}\n")

@@ -1,0 +1,262 @@
+"""The forwards a decode step of `NgramAdaptiveWorker` launches, once the plan chose its width.
+
+Width 1 (`_forward_plain`): DECODE forwards of each request's last committed token through the decode graph and
+the normal sampler, back to back. Wider (`_prepare_verify`, `_forward_verify`): the plan's tokens and tree mask
+go to the device, a `TARGET_VERIFY` forward at that width, SGLang's tree sampling and KV moves of the accepted
+tokens. Prefill (`_forward_extend`) runs on the start-up backend. `_result` packs what SGLang receives, at the
+largest width's output stride.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_func
+from sglang.kernels.ops.speculative.reconstruct_tree import reconstruct_indices_from_tree_mask_func
+from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.srt.managers.scheduler import GenerationBatchResult
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.observability.req_time_stats import set_time_batch
+from sglang.srt.runtime_context import get_exec, get_spec
+from sglang.srt.speculative.eagle_utils import eagle_sample
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
+from sglang.srt.speculative.spec_utils import (
+    GrammarTree,
+    build_grammar_vocab_mask,
+    commit_mamba_states_after_verify,
+    move_accept_tokens_to_target_kvcache,
+    prepare_mamba_track_for_verify,
+)
+from sglang.srt.utils import is_cpu
+
+from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens
+
+_is_cpu = is_cpu()
+
+
+class WorkerForward:
+    """`NgramAdaptiveWorker`'s forwards (a mixin placed before `NGRAMWorker`)."""
+
+    def _last_tokens(self, batch: ScheduleBatch, rids: tuple) -> torch.Tensor | None:
+        """Each request's last committed token on the device, without waiting: what the previous plain step
+        sampled if the batch holds the same requests in the same order, else read from the overlap relay."""
+        known = self._next_roots
+        if known is not None and known[0] == rids:
+            return known[1]
+        return relayed_last_tokens(batch.spec_info, len(rids))
+
+    def _plain_decode_fits(self, batch: ScheduleBatch) -> bool:
+        """Batches the plain decode path serves like SGLang's own decode; others take a 1-token verify."""
+        return self._plain_ok and not (
+            batch.has_grammar
+            or batch.return_logprob
+            or (self.model_runner.watermark_state is not None and batch.sampling_info.has_watermark_candidates)
+            or get_exec().mamba.enable_mamba_extra_buffer
+        )
+
+    def _forward_plain(self, batch: ScheduleBatch, roots: torch.Tensor, on_publish, pp_proxy_tensors, rids: tuple,
+                       forwards: int = 1):
+        """Width 1: ``forwards`` DECODE forwards back to back, each of the last token (the first of each request's
+        last committed token, every later one of the token the forward before sampled, on the device) through the
+        decode graph and the normal sampler. To SGLang the step is a verify that accepted ``forwards`` tokens per
+        request (none of them a draft): it commits them, drops any past a request's stop, and its per-step host
+        work (scheduling, relay, result processing) is paid once for all of them. KV slots for up to the largest
+        width per request are reserved before every step, so ``forwards`` (at most that width) always fits.
+
+        Under speculation the batch's `seq_lens` count the tokens already in the KV cache and the last committed
+        token is not among them (a verify writes it first); a decode forward counts the token it writes. So forward
+        i runs over `seq_lens + i + 1`, writing at slot `seq_lens + i`, and the batch gets its lengths back after."""
+        bs = len(batch.reqs)
+        self._activate(self._decode_state, 1)
+        seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens = (
+            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens)
+        cache_locs = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=seq_lens,
+            end_offset=seq_lens + forwards,
+            batch_size=bs,
+            draft_token_num=forwards,
+            device=self.device,
+        )
+        if forwards > 1:  # row i: every request's slot for forward i
+            cache_locs = cache_locs.view(bs, forwards).t().contiguous()
+        batch.forward_mode = ForwardMode.DECODE
+        batch.spec_info = None
+        input_ids = self.draft_tokens[:bs]
+        tokens, predicts = roots, []
+        set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
+        t = time.perf_counter()
+        try:
+            for i in range(forwards):
+                input_ids.copy_(tokens, non_blocking=True)  # stream-ordered after the forward that sampled them
+                batch.input_ids = input_ids
+                batch.out_cache_loc = cache_locs[i] if forwards > 1 else cache_locs
+                batch.seq_lens = seq_lens + (i + 1)
+                if seq_lens_cpu is not None:
+                    batch.seq_lens_cpu = seq_lens_cpu + (i + 1)
+                if seq_lens_sum is not None:
+                    batch.seq_lens_sum = seq_lens_sum + bs * (i + 1)
+                if orig_seq_lens is not None:
+                    batch.orig_seq_lens = orig_seq_lens + (i + 1)
+                batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+                tokens = batch_result.next_token_ids
+                predicts.append(tokens)
+        finally:
+            self._forward_s = time.perf_counter() - t
+            new_seq_lens = batch.seq_lens
+            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens = (
+                seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens)
+        self._next_roots = (rids, tokens)
+        rows = predicts[0].view(bs, 1) if forwards == 1 else torch.stack(predicts, dim=1)
+        accept_tokens = padded_rows(rows, self.max_width, torch.int32)
+        accept_lens = self._plain_lens[forwards - 1, :bs]
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        batch.forward_mode = ForwardMode.DECODE
+        result = self._result(batch_result.logits_output, accept_tokens, accept_lens, new_seq_lens,
+                              batch_result.can_run_cuda_graph, 1)
+        result.num_non_draft_tokens_per_req = forwards  # SGLang's accept rate counts drafts only
+        return result
+
+    def _prepare_verify(self, batch: ScheduleBatch, plan, seq_lens_sum: int) -> None:
+        bs, w = len(batch.reqs), plan.width
+        draft_tokens = self.draft_tokens[: bs * w]
+        positions = self.positions[: bs * w]
+        retrieve_index = self.retrieve_indexes[: bs * w].view(bs, w)
+        retrieve_next_token = self.retrieve_next_token[: bs * w].view(bs, w)
+        retrieve_next_sibling = self.retrieve_next_sibling[: bs * w].view(bs, w)
+        tree_mask = self.tree_mask[: bs * w * w]
+        mask_host = np.ascontiguousarray(plan.mask, dtype=np.bool_).reshape(-1)
+        if not mask_host.flags.writeable:  # a width-1 plan's shared mask: torch wants arrays it may write
+            mask_host = mask_host.copy()
+        tokens_host = np.ascontiguousarray(plan.tokens, dtype=np.int64).reshape(-1)
+        tree_mask.copy_(torch.from_numpy(mask_host), non_blocking=True)
+        draft_tokens.copy_(torch.from_numpy(tokens_host), non_blocking=True)
+        self.grammar_tree_host = plan if batch.has_grammar else None
+        # SGLang's own kernel derives positions and retrieve arrays from the mask on device
+        # (tests check our host arrays equal what it derives).
+        reconstruct_indices_from_tree_mask_func(
+            tree_mask, batch.seq_lens, positions, retrieve_index, retrieve_next_token,
+            retrieve_next_sibling, bs, w,
+        )
+        custom_mask = tree_mask
+        if not _is_cpu:  # full mask [w, seq_len + w] per request, as NGRAMWorker (USE_FULL_MASK), built on device
+            custom_mask = full_verify_mask(tree_mask.view(bs, w, w), batch.seq_lens[:bs], seq_lens_sum)
+        batch.forward_mode = ForwardMode.TARGET_VERIFY
+        batch.input_ids = draft_tokens
+        batch.out_cache_loc = assign_extend_cache_locs_func(
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=batch.req_to_token_pool.req_to_token,
+            start_offset=batch.seq_lens,
+            end_offset=batch.seq_lens + w,
+            batch_size=bs,
+            draft_token_num=w,
+            device=self.device,
+        )
+        prepare_mamba_track_for_verify(batch)
+        batch.spec_info = NgramVerifyInput(
+            draft_token=draft_tokens,
+            custom_mask=custom_mask,
+            positions=positions,
+            retrieve_index=retrieve_index,
+            retrieve_next_token=retrieve_next_token,
+            retrieve_next_sibling=retrieve_next_sibling,
+            draft_token_num=w,
+        )
+
+    def _forward_verify(self, batch: ScheduleBatch, plan, seq_lens_host: list, on_publish, pp_proxy_tensors):
+        """A verify at ``plan.width``. ``seq_lens_host``: each request's tokens in the KV cache, known on the host
+        from the exact tokens this step waited for (lent to the batch for this forward if the relay left it
+        without host lengths)."""
+        bs, width = len(batch.reqs), plan.width
+        self._activate(self._width_states[width], width)
+        saved = batch.seq_lens_cpu, batch.seq_lens_sum
+        if batch.seq_lens_cpu is None:
+            batch.seq_lens_cpu = torch.tensor(seq_lens_host, dtype=torch.int64)
+            batch.seq_lens_sum = int(sum(seq_lens_host))
+        elif batch.seq_lens_sum is None:
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        t_in = time.perf_counter()
+        with get_spec().override(speculative_num_draft_tokens=width):
+            try:
+                self._prepare_verify(batch, plan, batch.seq_lens_sum)
+                set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
+                verify_input: NgramVerifyInput = batch.spec_info
+                t = time.perf_counter()
+                batch_result = self.target_worker.forward_batch_generation(
+                    batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
+                )
+                t_fwd = time.perf_counter()
+                self._forward_s = t_fwd - t
+            finally:
+                batch.seq_lens_cpu, batch.seq_lens_sum = saved
+            logits_output, can_run_cuda_graph = batch_result.logits_output, batch_result.can_run_cuda_graph
+            grammar_mask = None
+            if batch.has_grammar:
+                host = self.grammar_tree_host
+                grammar_mask = build_grammar_vocab_mask(
+                    reqs=batch.reqs,
+                    tree=GrammarTree.from_host(
+                        torch.from_numpy(np.asarray(host.retrieve_next_token, dtype=np.int64)),
+                        torch.from_numpy(np.asarray(host.retrieve_next_sibling, dtype=np.int64)),
+                        torch.from_numpy(np.asarray(host.tokens, dtype=np.int64)).view(bs, -1),
+                    ),
+                    sampling_info=batch.sampling_info,
+                    device=verify_input.retrieve_next_token.device,
+                    barrier=None,
+                )
+            predict, accept_lens, accept_index = eagle_sample(
+                verify_input, batch, logits_output, grammar_mask,
+                watermark_state=self.model_runner.watermark_state,
+            )
+            t_sampled = time.perf_counter()
+            new_seq_lens = batch.seq_lens + accept_lens
+            commit_mamba_states_after_verify(self.target_worker, batch, accept_lens, accept_index, width)
+            accept_tokens = predict[accept_index]
+            if self.model_runner.watermark_state is not None and batch.sampling_info.has_watermark_candidates:
+                self.model_runner.watermark_state.append_speculative(batch.req_pool_indices, accept_tokens, accept_lens)
+            accept_tokens = padded_rows(accept_tokens, self.max_width)  # SGLang's fixed output stride
+            move_accept_tokens_to_target_kvcache(batch, accept_index, accept_lens - 1, self.token_to_kv_pool_allocator)
+            if batch.return_logprob:
+                compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        batch.forward_mode = ForwardMode.DECODE
+        result = self._result(logits_output, accept_tokens, accept_lens, new_seq_lens, can_run_cuda_graph, width)
+        # host seconds before the forward (mask, indices, cache locations), around the sampling, and after it
+        # (accepted tokens, KV moves, the result), for the profile
+        self._verify_parts = (t - t_in, t_sampled - t_fwd, time.perf_counter() - t_sampled)
+        return result
+
+    def _forward_extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors):
+        bs = len(batch.reqs)
+        self._relayed_rids = {req.rid for req in batch.reqs}
+        state = self._width_states.get(self.max_width)
+        if state is not None:  # prefill runs on the start-up backend (a decode step may have swapped it)
+            self._activate(state, self.max_width)
+        batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+        predict = batch_result.next_token_ids
+        new_seq_lens = batch.seq_lens.clone()
+        accept_tokens = padded_rows(predict.to(torch.int32).view(bs, 1), self.max_width)
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=self.device)
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        result = self._result(batch_result.logits_output, accept_tokens, accept_lens, new_seq_lens,
+                              batch_result.can_run_cuda_graph, self.max_width)
+        result.next_token_ids = predict
+        return result
+
+    def _result(self, logits_output, accept_tokens, accept_lens, new_seq_lens, can_run_cuda_graph, width):
+        return GenerationBatchResult(
+            logits_output=logits_output,
+            next_token_ids=accept_tokens,
+            can_run_cuda_graph=can_run_cuda_graph,
+            accept_lens=accept_lens,
+            new_seq_lens=new_seq_lens,
+            next_draft_input=next_draft_input(accept_tokens, accept_lens, new_seq_lens, self.max_width),
+            speculative_num_draft_tokens=width,
+            speculative_output_stride=self.max_width,
+        )
