@@ -354,6 +354,28 @@ def first_difference(a, b) -> int | None:
     return min(len(a), len(b))
 
 
+def run_child(script: str, name: str, timeout: float, logs: str | None) -> dict:
+    """Run ``script --one NAME`` (this process's arguments passed on) in a child process and return the JSON it
+    prints after ``RESULT ``, or an error with the tail of its stderr; ``wall_s`` added. Its stderr goes to
+    LOGS/NAME.log when ``logs`` is given."""
+    cmd = [sys.executable, os.path.abspath(script), "--one", name] + sys.argv[1:]
+    t = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if logs:
+            os.makedirs(logs, exist_ok=True)
+            with open(os.path.join(logs, f"{name}.log"), "w") as f:
+                f.write(proc.stderr[-400_000:])
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        res = json.loads(line[-1][7:]) if line else {"config": name, "error": f"rc={proc.returncode}",
+                                                      "stderr_tail": proc.stderr[-6000:]}
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
+        res = {"config": name, "error": f"timeout {int(timeout)}s", "stderr_tail": err[-6000:]}
+    res["wall_s"] = round(time.time() - t, 1)
+    return res
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -388,23 +410,7 @@ def main() -> int:
         return 0
     results = {}
     for name in a.configs.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [
-            x for x in sys.argv[1:]]
-        t = time.time()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
-            if a.logs:
-                os.makedirs(a.logs, exist_ok=True)
-                with open(os.path.join(a.logs, f"{name}.log"), "w") as f:
-                    f.write(proc.stderr[-400_000:])
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            res = json.loads(line[-1][7:]) if line else {"config": name, "error": f"rc={proc.returncode}",
-                                                          "stderr_tail": proc.stderr[-6000:]}
-        except subprocess.TimeoutExpired as e:
-            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
-            res = {"config": name, "error": f"timeout {a.timeout}s", "stderr_tail": err[-6000:]}
-        res["wall_s"] = round(time.time() - t, 1)
-        results[name] = res
+        results[name] = res = run_child(__file__, name, a.timeout, a.logs)
         if "error" in res:
             print(f"{name}: {res['error']}\n{res.get('stderr_tail', '')}", flush=True)
         with open(a.out, "w") as f:

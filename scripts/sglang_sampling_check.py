@@ -56,7 +56,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -485,21 +484,10 @@ def main() -> int:
             results[name] = {"config": name, "skipped": "out of time (--budget)"}
             print(f"{name}: skipped, out of time (--budget)", flush=True)
             continue
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + sys.argv[1:]
-        t = time.time()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
-            if a.logs:
-                os.makedirs(a.logs, exist_ok=True)
-                with open(os.path.join(a.logs, f"{name}.log"), "w") as f:
-                    f.write(proc.stderr[-400_000:])
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-            res = json.loads(line[-1][7:]) if line else {"config": name, "error": f"rc={proc.returncode}",
-                                                          "stderr_tail": proc.stderr[-6000:]}
-        except subprocess.TimeoutExpired as e:
-            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
-            res = {"config": name, "error": f"timeout {int(limit)}s", "stderr_tail": err[-6000:]}
-        res["wall_s"] = round(time.time() - t, 1)
+        sys.path.insert(0, SCRIPTS)
+        from sglang_engine_bench import run_child
+
+        res = run_child(__file__, name, limit, a.logs)
         results[name] = res
         if "error" in res:
             print(f"{name}: {res['error']}\n{res.get('stderr_tail', '')}", flush=True)
