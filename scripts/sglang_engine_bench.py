@@ -219,7 +219,18 @@ def diag_delta(before: dict, after: dict) -> dict:
         if n > 0:
             durations[key] = {"n": n, "mean_ms": round(1e3 * (row[1] - old[1]) / n, 3),
                               "min_ms": round(1e3 * row[2], 3), "max_ms": round(1e3 * row[3], 3)}
+    device = {}  # the device's clock per step (CUDA events): ms per step of each part, by width/batch
+    for key, row in a.get("device", {}).items():
+        old = b.get("device", {}).get(key, {})
+        d = {k: row.get(k, 0) - old.get(k, 0) for k in row}
+        if d["steps"] > 0:
+            device[key] = {"steps": d["steps"],
+                           "idle_before_ms": round(1e3 * d["idle_before_s"] / d["idle_measured"], 3)
+                           if d["idle_measured"] else None,
+                           **{f"{p}_ms": round(1e3 * d[f"{p}_s"] / d["steps"], 3)
+                              for p in ("prepare", "forward", "after")}}
     return {"reasons": {k: v for k, v in reasons.items() if v},
+            "device_ms": device,
             "expected_tokens_per_request": (a.get("expected_tokens", 0) - b.get("expected_tokens", 0)) / planned
             if planned else None,
             "durations": durations, "cost_estimates_ms": a.get("cost_estimates_ms", {}),

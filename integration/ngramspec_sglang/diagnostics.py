@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections import deque
 
 import numpy as np
 
@@ -29,12 +30,55 @@ class HostProfile:
         self.controller = None
         self.batches: set = set()
         self.forwards_summary = None  # () -> the "auto" plain-forwards choice per batch size, or None
+        # the device's clock per step (CUDA events, `device_marks`): "width/batch" -> [steps, idle before the step,
+        # its work before the forward call, the forward call, after it; steps whose idle gap was measured]
+        self.device: dict[str, list] = {}
+        self._device_module = None
+        self._pending: deque = deque()
+        self._prev_end = None  # the end mark of the last decode step (None after a prefill)
         dump_periodically(lambda: self.steps, self.dump, "ngramspec-profile")
 
     @classmethod
     def from_env(cls, rank: int):
         path = os.environ.get("NGRAMSPEC_PROFILE")
         return cls(path) if path and rank == 0 else None
+
+    def device_marks(self, device_module) -> None:
+        """Also time each decode step on the device's clock (``device_module``: e.g. ``torch.cuda``): four CUDA
+        events per step (`mark`), read without blocking once the device passed them."""
+        self._device_module = device_module
+
+    def mark(self):
+        """A CUDA event recorded on the current stream now, or None when the device's clock is not timed."""
+        if self._device_module is None:
+            return None
+        event = self._device_module.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def interrupt(self) -> None:
+        """A prefill runs next: the gap before the next decode step is not a decode step's idle time."""
+        self._prev_end = None
+
+    def add_device(self, width: int, batch_size: int, marks: tuple) -> None:
+        """One decode step's marks: (launch start, before the forward call, after it, step end). The device idles
+        from the previous step's end to this step's launch start while the host prepares this step (waits for
+        tokens, plans): the host's part of the critical path; the rest is the device's own work and whatever host
+        launch gaps lie inside it."""
+        if self._device_module is None or any(m is None for m in marks):
+            return
+        self._pending.append((f"{width}/{batch_size}", marks, self._prev_end))
+        self._prev_end = marks[3]
+        while self._pending and self._pending[0][1][3].query():
+            key, (start, fwd0, fwd1, end), prev = self._pending.popleft()
+            row = self.device.setdefault(key, [0, 0.0, 0.0, 0.0, 0.0, 0])
+            row[0] += 1
+            row[2] += start.elapsed_time(fwd0) / 1e3
+            row[3] += fwd0.elapsed_time(fwd1) / 1e3
+            row[4] += fwd1.elapsed_time(end) / 1e3
+            if prev is not None:
+                row[1] += prev.elapsed_time(start) / 1e3
+                row[5] += 1
 
     def add_duration(self, width: int, batch_size: int, seconds: float) -> None:
         row = self.durations.setdefault(f"{width}/{batch_size}", [0, 0.0, float("inf"), 0.0])
@@ -94,7 +138,10 @@ class HostProfile:
         out["_diag"] = {"reasons": self.reasons, "planned_requests": self.expected[0],
                         "expected_tokens": self.expected[1], "expected_tokens_drafting": self.expected[2],
                         "durations": self.durations, "cost_estimates_ms": costs,
-                        "plain_forwards": self.forwards_summary() if self.forwards_summary is not None else None}
+                        "plain_forwards": self.forwards_summary() if self.forwards_summary is not None else None,
+                        # running sums in seconds (readers difference two snapshots)
+                        "device": {k: {"steps": r[0], "idle_before_s": r[1], "idle_measured": r[5], "prepare_s": r[2],
+                                       "forward_s": r[3], "after_s": r[4]} for k, r in self.device.items()}}
         with open(self.path, "w") as f:
             json.dump(out, f, indent=1)
 

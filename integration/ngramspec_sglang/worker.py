@@ -101,6 +101,9 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         if self._profile is not None:
             self._profile.forwards_summary = lambda: (self.planner.forwards.summary()
                                                       if self.planner.forwards is not None else None)
+            if not _is_cpu:
+                self._profile.device_marks(torch.get_device_module(self.device))
+        self._fwd_marks = [None, None]  # device marks around the last forward call (profile only)
         self._timer = StepTimer.for_device(
             self._record_duration, None if _is_cpu else torch.get_device_module(self.device),
             record_wait=self._record_wait if self.config.charge_waits_to_drafts else None,
@@ -132,6 +135,10 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             broadcast=lambda obj: tp.broadcast_object(obj, src=0),
             max_requests=self._max_requests,
         )
+
+    def _dmark(self):
+        """A device mark for the profile (None when it is off or there is no GPU)."""
+        return self._profile.mark() if self._profile is not None else None
 
     def _record_wait(self, batch_size: int, seconds: float) -> None:
         self.planner.record_wait(batch_size, seconds)
@@ -193,6 +200,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         min(n, 3) steps run plain without planning (the cache catches up on their tokens at the next plan)."""
         if not batch.forward_mode.is_decode():
             self._timer.interrupt()
+            if self._profile is not None:
+                self._profile.interrupt()
             return self._forward_extend(batch, on_publish, pp_proxy_tensors)
         t0 = time.perf_counter()
         if self._state is not None:
@@ -217,11 +226,13 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             if roots is not None:
                 self._backoff.skip_planning()
                 t_plan = time.perf_counter()
+                m0 = self._dmark()
                 forwards = plain_forwards(self.planner.forwards_limit(bs), batch)
                 result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids, forwards)
                 self.planner.plain_stepped(bs, forwards)
                 self._timer.step_launched(1, bs, forwards)
                 if self._profile is not None:
+                    self._profile.add_device(1, bs, (m0, *self._fwd_marks, self._dmark()))
                     self._profile.add(1, bs, True, 0.0, t_plan - t0, time.perf_counter() - t_plan,
                                       self._forward_s, result.can_run_cuda_graph, forwards=forwards)
                 return result
@@ -244,6 +255,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last)
             lagging = False
         t_plan = time.perf_counter()
+        m0 = self._dmark()
         forwards = 1
         if plan.width == 1 and plain_fits:
             if roots is None:
@@ -262,6 +274,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._backoff.planned(plan.width)
         self._timer.step_launched(plan.width, bs, forwards)
         if self._profile is not None:
+            self._profile.add_device(plan.width, bs, (m0, *self._fwd_marks, self._dmark()))
             self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,
                               self._forward_s, result.can_run_cuda_graph, plan, self.planner.controller, forwards,
                               parts=(t_views - t_pre, t_planner - t_views, t_planned - t_planner),

@@ -89,6 +89,7 @@ class WorkerForward:
         tokens, predicts = roots, []
         set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
         t = time.perf_counter()
+        self._fwd_marks[0] = self._dmark()
         try:
             for i in range(forwards):
                 input_ids.copy_(tokens, non_blocking=True)  # stream-ordered after the forward that sampled them
@@ -106,6 +107,7 @@ class WorkerForward:
                 predicts.append(tokens)
         finally:
             self._forward_s = time.perf_counter() - t
+            self._fwd_marks[1] = self._dmark()
             new_seq_lens = batch.seq_lens
             batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum, batch.orig_seq_lens = (
                 seq_lens, seq_lens_cpu, seq_lens_sum, orig_seq_lens)
@@ -186,10 +188,12 @@ class WorkerForward:
                 set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
                 verify_input: NgramVerifyInput = batch.spec_info
                 t = time.perf_counter()
+                self._fwd_marks[0] = self._dmark()
                 batch_result = self.target_worker.forward_batch_generation(
                     batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
                 )
                 t_fwd = time.perf_counter()
+                self._fwd_marks[1] = self._dmark()
                 self._forward_s = t_fwd - t
             finally:
                 batch.seq_lens_cpu, batch.seq_lens_sum = saved
