@@ -60,6 +60,7 @@ PY
       --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive,adaptive_cw}" --timeout 400 --sched-profile
     ;;
   dense8b|moe)
+    # EXTRA: a JSON object of more sglang.Engine arguments (e.g. '{"mem_fraction_static": 0.85}' for an 80 GB model)
     # PAD_ARGS: sizes for scripts/pad_model.py (e.g. PAD_ARGS="--top-k 1 --intermediate 45056"), one model folder each
     M=${PADDED:-$(dirname "$2")/smollm2-$1$(echo "${PAD_ARGS:-}" | tr -dc 'a-z0-9')}
     if [ ! -f "$M/model.safetensors" ]; then
@@ -69,10 +70,12 @@ PY
     fi
     if [ "${SWEEP:-0}" = 1 ]; then
       $BENCH --model "$M" --dtype float16 --out "$OUT/$1_sweep.json" --logs "$OUT/logs_$1_sweep" --prompts-per-set 16 \
-        --max-new-tokens 48 --warm-prompts 2 --concurrency 1 16 --configs adaptive_sweep --timeout 300 --sched-profile
+        --max-new-tokens 48 --warm-prompts 2 --concurrency 1 16 --configs adaptive_sweep --timeout 300 --sched-profile \
+        ${EXTRA:+--extra "$EXTRA"}
     fi
     $BENCH --model "$M" --dtype float16 --out "$OUT/$1${TAG:-}.json" --logs "$OUT/logs_$1${TAG:-}" --prompts-per-set 16 \
-      --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,adaptive,ngram8,ngram}" --timeout 420 --sched-profile
+      --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,adaptive,ngram8,ngram}" --timeout 420 --sched-profile \
+      ${EXTRA:+--extra "$EXTRA"}
     ;;
   *) echo "usage: $0 tiny | smollm2 MODEL_DIR [configs] | dense8b|moe SMOLLM2_DIR [configs] | dummy8b" >&2; exit 2 ;;
 esac
