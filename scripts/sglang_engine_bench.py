@@ -137,6 +137,10 @@ CONFIGS = {
     "adaptive_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plain_forwards": 1}),
     "adaptive_w1_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 1,
                                                                                     "plain_forwards": 1}),
+    # a wider margin a draft must beat plain decoding by, per decode-step of extra cost (the controller's min_gain,
+    # default 0.1): where a verify costs 2-3x a plain step and drafts accept little (free text at batch 8-16)
+    "adaptive_mg03": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"min_gain": 0.3}}),
+    "adaptive_mg05": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"min_gain": 0.5}}),
 }
 
 
