@@ -646,6 +646,18 @@ def test_compare(soak, tmp_path, capsys):
     pb.write_text(json.dumps(b))
     pa.write_text(json.dumps(a))
     assert soak.compare(str(pa), str(pb)) == 0
+    crashed = {"case": "empty_text", "status": None, "error": "connection", "server_up_after": False}
+    b["bad_requests"] = [crashed]  # plain SGLang 0.5.23 goes down on it; A's 400 with the server up is no failure
+    pb.write_text(json.dumps(b))
+    assert soak.compare(str(pa), str(pb)) == 0
+    assert "refused where the control went down" in capsys.readouterr().out
+    pa.write_text(json.dumps(dict(a, bad_requests=[crashed])))
+    pb.write_text(json.dumps(dict(b, bad_requests=[{"case": "empty_text", "status": 400, "server_up_after": True}])))
+    assert soak.compare(str(pa), str(pb)) == 1  # the other way round is one
+    pb.write_text(json.dumps(dict(b, bad_requests=[{"case": "empty_text", "status": 200, "server_up_after": True}])))
+    assert soak.compare(str(pa), str(pb)) == 1
+    b["bad_requests"] = fake_result()["bad_requests"]
+    pb.write_text(json.dumps(b))
     a["records"].append({"kind": "logprob", "outcome": "http_500"})
     a["bad_requests"] = [{"case": "empty_text", "status": 200, "server_up_after": True}]
     a["checks"] = soak.evaluate(a)

@@ -14,6 +14,10 @@ Handled here (through SGLang's `HookRegistry`, applied by `load_plugins()`):
   width by the requests' geometric-mean speed, so one request's long draft does not slow the others down).
   Every TP rank schedules the same requests, so every rank sees the same length.
 
+- `TokenizerManager._validate_one_request` (`request_guard.py`): under NGRAM_ADAPTIVE, a prompt of no tokens
+  (`{"text": ""}`) or with an id outside the model's vocabulary gets SGLang's HTTP 400 instead of reaching the
+  scheduler, whose forward would crash on it (SGLang 0.5.23 goes down on these; other algorithms keep that).
+
 Left as they are (documented in docs/sglang.md): the LoRA allow-list in `lora_hook.py` (LoRA is
 rejected, and our validator says why first: per-width verify graphs, like `--speculative-adaptive`,
 do not rebuild LoRA cuda-graph metadata), the external-corpus endpoints in
@@ -65,6 +69,9 @@ def register_hooks() -> None:
 
     HookRegistry.register(DECODE_REPORT, report_with_mean_width, HookType.AROUND)
     HookRegistry.register(RUN_BATCH, record_waiting, HookType.AROUND)
+    from .request_guard import VALIDATE_ONE_REQUEST, guard_request
+
+    HookRegistry.register(VALIDATE_ONE_REQUEST, guard_request, HookType.AROUND)  # a no-op unless NGRAM_ADAPTIVE
     from .sched_profile import register_profile_hooks
 
     register_profile_hooks()  # diagnosis only: NGRAMSPEC_SCHED_PROFILE=FILE
