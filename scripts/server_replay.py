@@ -140,6 +140,23 @@ def _fill_along_batch(b: int, measured: dict[int, float]) -> tuple[float, str]:
     return measured[near], f"copied from the nearest measured batch B={near}"
 
 
+def _fill_by_width_ratio(b: int, w: int, cells: dict, batches: list, widths: list) -> tuple[float | None, str]:
+    """The value at (b, w) from a width measured at batch b, scaled by the two widths' ratio at the nearest batch
+    that measured both: a width's cost grows with the batch as its neighbours' do (copying a small batch's value
+    along the batch axis would make a wide verify as cheap at batch 13 as at batch 1). None if no width at b has
+    a batch measuring both. Widths > 1 only: width 1 (plain decoding) is measured on its own."""
+    if w == 1:
+        return None, ""
+    mean = {k: c["sum"] / c["w"] for k, c in cells.items()}
+    for ref in sorted((x for x in widths if x > 1 and x != w and (b, x) in mean), key=lambda x: abs(x - w)):
+        both = [bb for bb in batches if (bb, w) in mean and (bb, ref) in mean]
+        if both:
+            near = min(both, key=lambda bb: abs(bb - b))
+            return (mean[(b, ref)] * mean[(near, w)] / mean[(near, ref)],
+                    f"width {ref} at B={b} times the width ratio {w}/{ref} at B={near}")
+    return None, ""
+
+
 def fit_profile(bench: dict, sweep_config: str = SWEEP_CONFIG, min_samples: int = 1,
                 name: str = "server-fit") -> tuple[dict, list[str]]:
     """The cost profile (calibration rows) from the plain config's periods and the sweep's durations; and notes."""
@@ -216,15 +233,18 @@ def fit_profile(bench: dict, sweep_config: str = SWEEP_CONFIG, min_samples: int 
                 row["filled"] = "width 1 measured by the sweep config (no plain run at this batch)"
                 filled.append((b, w))
             else:
-                measured = {bb: cells[(bb, w)]["sum"] / cells[(bb, w)]["w"] for bb in batches if (bb, w) in cells}
-                ms, how = _fill_along_batch(b, measured)
+                ms, how = _fill_by_width_ratio(b, w, cells, batches, widths)
+                if ms is None:
+                    measured = {bb: cells[(bb, w)]["sum"] / cells[(bb, w)]["w"] for bb in batches if (bb, w) in cells}
+                    ms, how = _fill_along_batch(b, measured)
                 row["graph_ms"] = round(ms, 4)
                 row["filled"] = how
                 filled.append((b, w))
             rows.append(row)
     if filled:
         w1 = [b for b, w in filled if w == 1]
-        notes.append(f"{len(filled)} of {len(rows)} profile cells not measured, filled along the batch axis"
+        notes.append(f"{len(filled)} of {len(rows)} profile cells not measured, filled from another width at the same "
+                     "batch (scaled by the widths' ratio where both were measured), else along the batch axis"
                      + (f" (width 1 at B={','.join(map(str, w1))})" if w1 else ""))
     data = {
         "name": name,

@@ -150,3 +150,24 @@ def test_main(sr, tmp_path, capsys):
 def test_errors(sr, tmp_path):
     main, _ = write_bench(tmp_path)  # no sweep config in it
     assert sr.main([str(main)]) == 2
+
+
+def test_an_unmeasured_width_grows_with_the_batch_as_a_measured_one(sr, tmp_path):
+    """A width measured only at batch 1 is filled at batch 16 from a width measured there, scaled by the two widths'
+    ratio at batch 1 (not copied from batch 1, which would make it as cheap at batch 16 as at batch 1)."""
+    bench = synthetic_bench()
+    sweep = bench["adaptive_sweep"]
+    for key, run in sweep["runs"].items():  # width 12 only at batch 1; width 16 at batches 1 and 16
+        durations = run["profile"]["controller"]["durations"]
+        for wb in list(durations):
+            w, b = map(int, wb.split("/"))
+            if w not in (12, 16) or (w == 12 and b != 1):
+                del durations[wb]
+    data, notes = sr.fit_profile(bench)
+    rows = {(r["B"], r["k"]): r for r in data["rows"]}
+    assert "filled" not in rows[(16, 16)] and "filled" in rows[(16, 12)]
+    expected = cost(16, 16) * cost(1, 12) / cost(1, 16)
+    assert rows[(16, 12)]["graph_ms"] == pytest.approx(expected, rel=1e-3)
+    assert rows[(16, 12)]["graph_ms"] > 1.4 * rows[(1, 12)]["graph_ms"]  # the copy would be 1.0x
+    assert "ratio" in rows[(16, 12)]["filled"]
+    assert "filled" in rows[(16, 1)] and "ratio" not in rows[(16, 1)]["filled"]  # width 1: along the batch axis
