@@ -50,6 +50,7 @@ from .diagnostics import DraftLog, HostProfile
 from .drafting import DraftPlanner
 from .host_seq_lens import set_cpu_seq_lens_need
 from .relay import request_views
+from .sampling_fallback import install_if_needed as install_sampling_fallback
 from .state import StateKeeper
 from .timing import StepTimer
 from .worker_forward import WorkerForward
@@ -68,6 +69,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         # NGRAMWorker.__init__ would build SGLang's C++ corpus; we set its fields ourselves.
         BaseSpecWorker.__init__(self)
+        install_sampling_fallback(logger)  # sampled verify without flashinfer (sampling_fallback.py)
         self.server_args = server_args
         self.enable_overlap = not get_schedule().disable_overlap_schedule
         self._target_worker = target_worker
