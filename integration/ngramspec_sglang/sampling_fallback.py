@@ -1,4 +1,5 @@
-"""Sampled tree verification without flashinfer: torch stand-ins for the three flashinfer-backed ops `eagle_sample` uses.
+"""Sampled tree verification without flashinfer: torch stand-ins for the three flashinfer-backed ops that
+`eagle_sample` uses.
 
 SGLang 0.5.23's `sglang.srt.speculative.eagle_utils.eagle_sample` takes its sampling branch (any request with
 temperature > 0, speculative rejection sampling off) through three names bound in `eagle_utils`' module globals:

@@ -19,6 +19,8 @@ from ngramspec_sglang import sampling_fallback as sf
 from ngramspec_sglang.sampling_fallback import (
     top_k_renorm_prob_torch,
     top_p_renorm_prob_torch,
+)
+from ngramspec_sglang.sampling_fallback import (
     tree_speculative_sampling_target_only_torch as tree_sample,
 )
 
