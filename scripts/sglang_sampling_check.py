@@ -328,6 +328,9 @@ def run_one(name: str, a) -> dict:
     sys.path.insert(0, SCRIPTS)
     from sglang_engine_bench import COPY_PROMPTS, chat_prompts
 
+    # where flashinfer is missing (the GPU kit), every speculative server samples through ngramspec's fallback,
+    # SGLang's NGRAM (the control) included; the result records whether it was in place
+    os.environ["NGRAMSPEC_SAMPLING_FALLBACK"] = "1"
     cfg = dict(CONFIGS[name])
     adaptive_file = cfg.pop("adaptive_file", None)
     if adaptive_file is not None:
@@ -366,6 +369,9 @@ def run_one(name: str, a) -> dict:
                     out["samples"].setdefault(temp, {}).setdefault(prompt, {})[set_name] = samples
                     out["spec"].setdefault(temp, {}).setdefault(prompt, {})[set_name] = spec
         out["sampling_s"] = round(time.time() - t, 1)
+        import importlib.util
+
+        out["flashinfer"] = importlib.util.find_spec("flashinfer") is not None  # False: ngramspec's fallback sampled
         copy = chat_prompts(a.model, COPY_PROMPTS)
         for label, params in [("greedy", {"temperature": 0.0})] + [(t, TEMPS[t]) for t in a.temps.split(",")]:
             out["accept"][label] = copy_accept_length(engine, copy, params, a.accept_tokens, a.accept_repeats)

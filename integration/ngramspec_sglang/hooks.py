@@ -27,6 +27,8 @@ allow-list in `kv_cache_hook.py` rejects NGRAM_ADAPTIVE on that path.
 """
 from __future__ import annotations
 
+import os
+
 DECODE_REPORT = (
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 )
@@ -36,8 +38,22 @@ RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
 _registered = False
 
 
+_fallback_checked = False
+
+
 def record_waiting(original, scheduler, *args, **kwargs):
-    """AROUND hook: tell the NGRAM_ADAPTIVE worker how many requests wait, then run the batch."""
+    """AROUND hook: tell the NGRAM_ADAPTIVE worker how many requests wait, then run the batch. Before the first
+    batch of a scheduler process, with NGRAMSPEC_SAMPLING_FALLBACK=1 in the environment, also install the sampled
+    verification fallback for any speculative algorithm (`sampling_fallback.install_if_needed`: only where flashinfer
+    is missing; NGRAM_ADAPTIVE's worker installs it for itself): a like-for-like control, SGLang's NGRAM, in an
+    environment without flashinfer (the sampling check sets it)."""
+    global _fallback_checked
+    if not _fallback_checked:
+        _fallback_checked = True
+        if os.environ.get("NGRAMSPEC_SAMPLING_FALLBACK") == "1":
+            from .sampling_fallback import install_if_needed
+
+            install_if_needed()
     worker = getattr(scheduler, "draft_worker", None)
     if worker is not None and hasattr(worker, "waiting_requests"):
         worker.waiting_requests = len(getattr(scheduler, "waiting_queue", ()))

@@ -449,3 +449,22 @@ def test_install_patches_the_globals_eagle_sample_reads(no_flashinfer):
             setattr(eagle_utils, name, value)
         if hasattr(eagle_utils, sf.FALLBACK_MARK):
             delattr(eagle_utils, sf.FALLBACK_MARK)
+
+
+@pytest.mark.parametrize("env, installs", [("1", 1), (None, 0)])
+def test_the_run_batch_hook_installs_it_for_every_algorithm_only_when_asked(monkeypatch, env, installs):
+    """NGRAMSPEC_SAMPLING_FALLBACK=1: the scheduler's first batch installs the fallback whatever the algorithm (the
+    NGRAM control of the sampling check); unset, the hook leaves sampling alone; either way it checks once."""
+    from ngramspec_sglang import hooks
+
+    calls = []
+    monkeypatch.setattr(sf, "install_if_needed", lambda *a, **k: calls.append(1) or True)
+    monkeypatch.setattr(hooks, "_fallback_checked", False)
+    if env is None:
+        monkeypatch.delenv("NGRAMSPEC_SAMPLING_FALLBACK", raising=False)
+    else:
+        monkeypatch.setenv("NGRAMSPEC_SAMPLING_FALLBACK", env)
+    scheduler = types.SimpleNamespace(draft_worker=None, waiting_queue=[])
+    for _ in range(3):
+        assert hooks.record_waiting(lambda s, *a, **k: "ran", scheduler) == "ran"
+    assert len(calls) == installs
