@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", type=int, default=160, help="characters of each answer to print (0: none)")
     parser.add_argument("--trace-out", default=None, help="write the greedy outputs as a trace (.jsonl.gz)")
     parser.add_argument("--json-out", default=None, help="write per-prompt figures as JSON")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per prompt and path (median; default 3)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per prompt and path (median; default 2)")
     args = parser.parse_args(argv)
     try:
         spec, gguf, device = check_args(args)
