@@ -737,6 +737,35 @@ def test_soak_end_to_end_against_a_stub_server(tmp_path):
     assert "all checks passed" in proc.stdout
 
 
+def test_http_bench_against_a_stub_server(tmp_path):
+    """`scripts/sglang_http_bench.py`: a server per config, bench_serving at each rate, the table and the JSON, all
+    against the stub server on 127.0.0.1; a config whose server never starts is an error, not a hang."""
+    me = str(Path(__file__).resolve())
+    out = tmp_path / "out"
+    script = str(ROOT / "scripts" / "sglang_http_bench.py")
+    stub_server = json.dumps([sys.executable, me, "--stub-server", "{port}", str(tmp_path)])
+    stub_bench = json.dumps([sys.executable, me, "--stub-bench", "{port}", "{num_prompts}", "{output_file}"])
+    cmd = [sys.executable, script, "--model", str(tmp_path), "--out", str(out), "--num-prompts", "6",
+           "--port", str(free_port()), "--server-cmd", stub_server, "--bench-cmd", stub_bench]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "http_bench.json").read_text())["results"]
+    assert list(res) == ["plain", "ngram", "adaptive"]
+    for r in res.values():
+        assert set(r["rates"]) == {"inf", "8"} and all(x["completed"] == 4 for x in r["rates"].values())
+    assert "1.000" in proc.stdout  # every config against plain decoding of the same run
+    prompts = json.loads((out / "prompts_sharegpt.json").read_text())
+    assert [p["id"].split("-")[0] for p in prompts] == ["copy", "free"] * 3
+    assert len({p["conversations"][0]["value"] for p in prompts}) == 6
+    dead = json.dumps([sys.executable, "-c", "import sys; sys.exit(3)"])
+    proc = subprocess.run(cmd[:-4] + ["--server-cmd", dead, "--bench-cmd", stub_bench, "--configs", "plain",
+                                      "--startup-timeout", "5"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "did not start" in proc.stdout
+    proc = subprocess.run([sys.executable, script, "--model", "m", "--out", str(out), "--configs", "eagle"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown config 'eagle'" in proc.stderr and "Traceback" not in proc.stderr
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--stub-server":
         run_stub_server(int(sys.argv[2]), sys.argv[3])
