@@ -1,0 +1,151 @@
+"""Token recycling's adjacency table: each token's latest top-k successors, from the model's own distributions.
+
+Every decode or verify step computes a distribution over the next token at each position it scores and keeps only
+the argmax. Token Recycling (Luo et al., ACL 2025, arXiv 2408.08696) keeps the top-k candidates instead: for the
+token at each scored position, the k most likely tokens after it, overwriting what that token had before. A draft
+for a request is then grown from its last token by a fixed breadth-first template: node j is the ``rank[j]``-th
+candidate after its parent's token. Where the n-gram tries have nothing, this drafts from what the model itself
+predicted the last time it saw the token.
+
+State is one int32 array of ``vocab_size x k`` (-1: no candidate yet): bounded by construction (1.5 MB for a
+49,152-token vocabulary at k = 8), no eviction needed. The kernels are small numba functions over it:
+`RecycleTable.update` writes the rows of one step's scored positions, `RecycleTable.draft` expands the template
+from a root token into the (tokens, parents) form of the other drafts (`ngramspec.layout`: parents[j] < j, -1 for
+the root's children; no parent with two children of one token).
+
+Not yet wired into the drafts, the controller or the SGLang plugin.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from numba import njit
+
+DEFAULT_K = 8
+
+
+def bfs_template(branching: Sequence[int] = (4, 2, 2, 1, 1, 1)) -> tuple[np.ndarray, np.ndarray]:
+    """A breadth-first tree template: every node at depth d (the root's children are depth 0) has
+    ``branching[d + 1]`` children, the root ``branching[0]``; child i of a node takes its parent token's candidate
+    of rank i. Returns (parents, ranks), int32, parents[j] < j (-1: a child of the root)."""
+    widths = [int(b) for b in branching]
+    if not widths or any(b < 1 for b in widths):
+        raise ValueError(f"branching must be a non-empty list of ints >= 1, got {list(branching)!r}")
+    parents: list[int] = []
+    ranks: list[int] = []
+    level = [-1]
+    for b in widths:
+        nxt = []
+        for p in level:
+            for r in range(b):
+                parents.append(p)
+                ranks.append(r)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    return np.asarray(parents, np.int32), np.asarray(ranks, np.int32)
+
+
+@njit(cache=True)
+def _update(succ, tokens, topk):
+    k = succ.shape[1]
+    kk = min(k, topk.shape[1])
+    for i in range(tokens.shape[0]):
+        t = tokens[i]
+        for r in range(kk):
+            succ[t, r] = topk[i, r]
+        for r in range(kk, k):
+            succ[t, r] = -1
+
+
+@njit(cache=True)
+def _draft(succ, root, tpl_parents, tpl_ranks, max_nodes, out_tokens, out_parents):
+    """Expand the template from ``root``; a node whose candidate is missing (-1) is left out with its subtree.
+    Returns the number of nodes written (at most ``max_nodes``)."""
+    n_tpl = tpl_parents.shape[0]
+    slot = np.full(n_tpl, -1, np.int64)  # template node -> output index (-1: left out)
+    n = 0
+    k = succ.shape[1]
+    for j in range(n_tpl):
+        if n >= max_nodes:
+            break
+        p = tpl_parents[j]
+        if p >= 0:
+            q = slot[p]
+            if q < 0:
+                continue
+            prev = out_tokens[q]
+        else:
+            q = -1
+            prev = root
+        r = tpl_ranks[j]
+        if r >= k:
+            continue
+        t = succ[prev, r]
+        if t < 0:
+            continue
+        dup = False  # a row written with a token twice: one child per token under a parent
+        for m in range(n):
+            if out_parents[m] == q and out_tokens[m] == t:
+                dup = True
+                break
+        if dup:
+            continue
+        out_tokens[n] = t
+        out_parents[n] = q
+        slot[j] = n
+        n += 1
+    return n
+
+
+class RecycleTable:
+    """Each token's latest top-k successors (``k`` per token, ``vocab_size`` tokens)."""
+
+    def __init__(self, vocab_size: int, k: int = DEFAULT_K, template: tuple[np.ndarray, np.ndarray] | None = None):
+        if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
+        if not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        self.vocab_size, self.k = int(vocab_size), int(k)
+        self.succ = np.full((self.vocab_size, self.k), -1, np.int32)
+        parents, ranks = template if template is not None else bfs_template()
+        self.tpl_parents = np.ascontiguousarray(parents, np.int32)
+        self.tpl_ranks = np.ascontiguousarray(ranks, np.int32)
+        if self.tpl_parents.shape != self.tpl_ranks.shape or self.tpl_parents.ndim != 1:
+            raise ValueError("template: parents and ranks must be 1-D arrays of one length")
+        if any(not -1 <= p < j for j, p in enumerate(self.tpl_parents.tolist())) or (self.tpl_ranks < 0).any():
+            raise ValueError("template: parents[j] must be in [-1, j) and ranks >= 0")
+        self._tokens = np.zeros(self.tpl_parents.shape[0], np.int32)
+        self._parents = np.zeros(self.tpl_parents.shape[0], np.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.succ.nbytes)
+
+    def _check_ids(self, a: np.ndarray, what: str) -> None:
+        if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+            bad = int(a[(a < 0) | (a >= self.vocab_size)].flat[0])
+            raise ValueError(f"{what}: token id {bad} is outside 0..{self.vocab_size - 1}")
+
+    def update(self, tokens, topk) -> None:
+        """``topk[i]``: the candidates (most likely first) for the token after ``tokens[i]``; row ``tokens[i]`` of
+        the table becomes them (a later position of the same token wins). Fewer than k columns leave the rest -1."""
+        tokens = np.asarray(tokens)
+        topk = np.asarray(topk)
+        if tokens.ndim != 1 or topk.ndim != 2 or topk.shape[0] != tokens.shape[0]:
+            raise ValueError(f"tokens must be 1-D and topk 2-D with one row per token, got shapes {tokens.shape} "
+                             f"and {topk.shape}")
+        if not (np.issubdtype(tokens.dtype, np.integer) and np.issubdtype(topk.dtype, np.integer)):
+            raise ValueError("tokens and topk must hold integer token ids")
+        self._check_ids(tokens, "tokens")
+        self._check_ids(topk, "topk")
+        _update(self.succ, np.ascontiguousarray(tokens, np.int64), np.ascontiguousarray(topk, np.int32))
+
+    def draft(self, root: int, max_nodes: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The template expanded from ``root`` (the request's last token): (tokens, parents) copies, at most
+        ``max_nodes`` nodes (default: the template's size), breadth-first."""
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.vocab_size:
+            raise ValueError(f"root must be a token id in 0..{self.vocab_size - 1}, got {root!r}")
+        cap = self._tokens.shape[0] if max_nodes is None else max(0, min(int(max_nodes), self._tokens.shape[0]))
+        n = _draft(self.succ, int(root), self.tpl_parents, self.tpl_ranks, cap, self._tokens, self._parents)
+        return self._tokens[:n].copy(), self._parents[:n].copy()

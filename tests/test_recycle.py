@@ -1,0 +1,105 @@
+"""Token recycling's table (`ngramspec.recycle`) against a brute-force model: rows are each token's latest top-k,
+drafts are the template expanded breadth-first, memory never grows, bad input is refused by name."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ngramspec.layout import check_tree
+from ngramspec.recycle import RecycleTable, bfs_template
+
+
+class Model:
+    """The brute-force table: a dict of lists."""
+
+    def __init__(self, k):
+        self.k, self.rows = k, {}
+
+    def update(self, tokens, topk):
+        for t, row in zip(tokens, topk):
+            self.rows[t] = list(row)[: self.k] + [-1] * (self.k - len(row))
+
+    def draft(self, root, parents, ranks, cap):
+        out_t, out_p, slot = [], [], {}
+        for j, (p, r) in enumerate(zip(parents, ranks)):
+            if len(out_t) >= cap:
+                break
+            if p >= 0 and p not in slot:
+                continue
+            q = slot[p] if p >= 0 else -1
+            prev = out_t[q] if p >= 0 else root
+            row = self.rows.get(prev, [-1] * self.k)
+            t = row[r] if r < self.k else -1
+            if t < 0 or any(pp == q and tt == t for tt, pp in zip(out_t, out_p)):
+                continue
+            slot[j] = len(out_t)
+            out_t.append(t)
+            out_p.append(q)
+        return out_t, out_p
+
+
+def test_template_is_breadth_first():
+    parents, ranks = bfs_template((4, 2, 2, 1, 1, 1))
+    assert len(parents) == 4 + 8 + 16 + 16 + 16 + 16
+    assert all(-1 <= p < j for j, p in enumerate(parents.tolist()))
+    assert parents[:4].tolist() == [-1] * 4 and ranks[:4].tolist() == [0, 1, 2, 3]
+    assert parents[4:6].tolist() == [0, 0] and ranks[4:6].tolist() == [0, 1]
+
+
+def test_rows_are_the_latest_top_k_and_drafts_follow_them():
+    t = RecycleTable(10, k=3, template=bfs_template((2, 1)))
+    t.update([1, 2], [[2, 3, 4], [5, 6, 7]])
+    t.update([1], [[8, 2, 9]])  # the latest distribution after token 1 replaces the old one
+    assert t.succ[1].tolist() == [8, 2, 9] and t.succ[2].tolist() == [5, 6, 7]
+    tokens, parents = t.draft(1)
+    # root 1 -> 8 (rank 0), 2 (rank 1); 8 has no row (left out); 2 -> 5
+    assert tokens.tolist() == [8, 2, 5] and parents.tolist() == [-1, -1, 1]
+    check_tree(tokens, parents)
+    assert t.draft(0)[0].size == 0  # a token never seen drafts nothing
+    assert t.draft(1, max_nodes=1)[0].tolist() == [8]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_against_the_brute_force_model(data):
+    vocab, k = 12, data.draw(st.integers(1, 4))
+    branching = data.draw(st.lists(st.integers(1, 3), min_size=1, max_size=4))
+    parents, ranks = bfs_template(branching)
+    table, model = RecycleTable(vocab, k=k, template=(parents, ranks)), Model(k)
+    nbytes = table.nbytes
+    for _ in range(data.draw(st.integers(0, 6))):
+        n = data.draw(st.integers(0, 5))
+        width = data.draw(st.integers(1, k))
+        tokens = data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+        topk = [data.draw(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width)) for _ in range(n)]
+        table.update(np.asarray(tokens, np.int64).reshape(n), np.asarray(topk, np.int64).reshape(n, width))
+        model.update(tokens, topk)
+    for tok in range(vocab):
+        assert table.succ[tok].tolist() == model.rows.get(tok, [-1] * k)
+    root = data.draw(st.integers(0, vocab - 1))
+    cap = data.draw(st.integers(0, len(parents)))
+    tokens, pars = table.draft(root, max_nodes=cap)
+    assert (tokens.tolist(), pars.tolist()) == model.draft(root, parents.tolist(), ranks.tolist(), cap)
+    check_tree(tokens, pars)
+    assert table.nbytes == nbytes == vocab * k * 4  # bounded by construction
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: t.update([10], [[1, 2]]), "token id 10 is outside 0..9"),
+    (lambda t: t.update([1], [[1, -2]]), "token id -2 is outside 0..9"),
+    (lambda t: t.update([1, 2], [[1, 2]]), "one row per token"),
+    (lambda t: t.update([1.5], [[1, 2]]), "integer token ids"),
+    (lambda t: t.draft(10), "root must be a token id in 0..9"),
+    (lambda t: RecycleTable(0), "vocab_size must be an int >= 1"),
+    (lambda t: RecycleTable(10, k=0), "k must be an int >= 1"),
+    (lambda t: RecycleTable(10, template=(np.array([0]), np.array([0]))), "parents\\[j\\] must be in"),
+    (lambda t: bfs_template(()), "branching must be a non-empty list"),
+])
+def test_bad_input_is_refused_by_name(call, message):
+    t = RecycleTable(10, k=2)
+    before = t.succ.copy()
+    with pytest.raises(ValueError, match=message):
+        call(t)
+    assert np.array_equal(t.succ, before)  # nothing half-written
