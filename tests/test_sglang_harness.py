@@ -587,6 +587,11 @@ def test_evaluate_healthy_and_each_failure(soak):
     assert soak.evaluate(relaunched)["server_up"]["ok"] is False
     assert soak.evaluate(fake_result(probe_before=["timeout", [4, 5]], probe_after=["timeout", [4, 5]]))[
         "probes_identical"]["ok"] is False  # no answer is no evidence
+    for margin, ok in ((0.01, True), (0.3, False), (None, False)):  # a measured near-tie passes, nothing else
+        tie = soak.evaluate(fake_result(probe_after=[[1, 2, 4], [4, 5]], probe_margins=[
+            {"probe": 0, "after": "probe_after", "position": 2, "top2_margin": margin}]))["probes_identical"]
+        assert tie["ok"] is ok and tie["identical"] is False, margin
+    assert soak.evaluate(fake_result())["probes_identical"]["identical"] is True
     assert soak.evaluate(fake_result(idle_after_drain={"sglang:num_running_reqs": 0.0, "sglang:num_queue_reqs": 0.0,
                                                        "sglang:kv_used_tokens": 64.0}))["idle_after_drain"]["ok"] \
         is False
