@@ -81,6 +81,7 @@ def req(**kw):
     return obj
 
 
+@pytest.mark.sglang_server
 def test_request_level_rules():
     text = req(text="")
     assert "tokenizes to no tokens" in request_error(text, [], VOCAB)  # a text request that tokenizes to nothing
@@ -97,6 +98,7 @@ def test_request_level_rules():
     assert request_error(image, [VOCAB + 5], VOCAB) is None  # the multimodal processor owns those ids
 
 
+@pytest.mark.sglang_server
 def test_batch_of_requests_is_checked_one_by_one():
     """SGLang splits a batch (obj[i]) before `_validate_one_request`; each part is judged alone."""
     batch = req(input_ids=[[1, 2, 3], [4, VOCAB], [], [-3]])
@@ -106,6 +108,7 @@ def test_batch_of_requests_is_checked_one_by_one():
                    f"input_ids[0] = -3 is out of range for this model's vocabulary (0..{VOCAB - 1})."]
 
 
+@pytest.mark.sglang_server
 def test_sglangs_own_empty_input_ids_message_is_the_one_we_give():
     with pytest.raises(ValueError, match=r"^input_ids cannot be empty\.$"):
         req(input_ids=[])
@@ -119,6 +122,7 @@ def manager_for(algorithm):
                            model_config=SimpleNamespace(vocab_size=VOCAB))
 
 
+@pytest.mark.sglang_server
 @pytest.mark.parametrize("algorithm, on", [("NGRAM_ADAPTIVE", True), ("ngram_adaptive", True), (None, False),
                                            ("NGRAM", False), ("EAGLE", False)])
 def test_guard_applies_only_to_ngram_adaptive(algorithm, on):
@@ -152,6 +156,7 @@ def plugin():
     return HookRegistry
 
 
+@pytest.mark.sglang_server
 def test_hook_is_registered_on_tokenizer_manager(plugin):
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
@@ -198,18 +203,21 @@ def tokenize(manager, obj):
     ({"input_ids": [-1, 5]}, "input_ids[0] = -1 is out of range"),
     ({"input_ids": [5, VOCAB + 1000]}, f"input_ids[1] = {VOCAB + 1000} is out of range"),
 ])
+@pytest.mark.sglang_server
 def test_bad_prompts_stop_in_the_tokenizer_manager(manager, body, message):
     with pytest.raises(ValueError) as e:
         tokenize(manager, req(**body))
     assert str(e.value).startswith(message)
 
 
+@pytest.mark.sglang_server
 @pytest.mark.parametrize("body", [{"text": "hello"}, {"input_ids": [5, 6, VOCAB - 1]}])
 def test_good_prompts_reach_sglangs_checks(manager, body):
     with pytest.raises(ReachedSGLang):
         tokenize(manager, req(**body))
 
 
+@pytest.mark.sglang_server
 @pytest.mark.parametrize("body", [{"text": ""}, {"input_ids": [5, VOCAB]}, {"input_ids": [-1]}])
 def test_plain_sglang_is_unchanged(manager, body):
     """A control run (no speculative algorithm) passes these on as SGLang 0.5.23 does (to the scheduler's crash)."""
@@ -218,6 +226,7 @@ def test_plain_sglang_is_unchanged(manager, body):
         tokenize(manager, req(**body))
 
 
+@pytest.mark.sglang_server
 def test_the_error_is_sglangs_http_400():
     """/generate answers a ValueError from the tokenizer manager with `_create_error_response`, as it does for
     `input_ids cannot be empty.`: status 400, {"error": {"message": ...}}."""
