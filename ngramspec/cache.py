@@ -30,6 +30,8 @@ from numba import typed
 from ngramspec import _draft, _shared, _trie
 from ngramspec._cache_api import I32, I64, Direct, fix
 
+F32 = np.dtype(np.float32)
+
 MAX_TOKEN = 2**31 - 1  # the largest token id: ids lie in [0, 2**31) (int32 storage; -1 marks "none")
 MAX_BUDGET = 4096  # draft nodes per request and step
 _PROMPT_CHUNK = 4096  # prompt tokens indexed per kernel call (the hash view grows between calls)
@@ -267,6 +269,37 @@ class NgramCache:
                                  int(self._ring[_shared.S_EPOCH]), self._own_state, self._hists, self._shared_state,
                                  o_tok, o_par, o_prob, o_src, offsets, mlens)
         return _draft_batch(o_tok[:n], o_par[:n], o_prob[:n], o_src[:n], offsets, mlens)
+
+    def propose_ahead(self, rids: Sequence[Hashable], drafts: DraftBatch, entries: int = 4, budget: int = 8,
+                      tree: bool = True):
+        """The next step's drafts for the likely outcomes of verifying ``drafts`` (this step's, as `propose` gave
+        them, or prefixes of them: a request's draft may be cut to any length, 0 included, through the offsets):
+        ``entries`` outcomes per request, each with a draft of up to ``budget`` nodes. Changes nothing; see
+        `ngramspec.lookahead`."""
+        from ngramspec import _lookahead
+        from ngramspec.lookahead import Lookahead
+
+        slots = self._slots(rids)
+        B = len(slots)
+        if B > 1 and len(set(slots)) != B:
+            raise ValueError("a request id appears twice in one batch")
+        for name, v, hi in (("entries", entries, 256), ("budget", budget, MAX_BUDGET)):
+            if not _is_int(v) or not 1 <= v <= hi:
+                raise ValueError(f"{name} must be an integer in [1, {hi}], got {v!r}")
+        offsets = np.asarray(drafts.offsets, dtype=np.int64)
+        if offsets.shape != (B + 1,):
+            raise ValueError(f"drafts hold {offsets.shape[0] - 1} requests, not {B}")
+        E, L = int(entries), int(budget)
+        node, tok = np.empty((B, E), np.int32), np.empty((B, E), np.int32)
+        weight, src = np.empty((B, E), np.float64), np.empty((B, E), np.int8)
+        c_tok, c_par = np.full((B, E, L), -1, np.int32), np.full((B, E, L), -1, np.int32)
+        c_prob, c_len = np.zeros((B, E, L), np.float32), np.zeros((B, E), np.int32)
+        _lookahead.outcomes_batch(self._slot_array(slots), fix(drafts.tokens, I32),
+                                  fix(drafts.parents, I32),
+                                  fix(drafts.probs, F32), fix(offsets, I64), E, L,
+                                  bool(tree), self.max_depth, self.use_shared, self._own_state, self._hists,
+                                  self._shared_state, node, tok, weight, src, c_tok, c_par, c_prob, c_len)
+        return Lookahead(node, tok, weight.astype(np.float32), c_tok, c_par, c_prob, c_len)
 
     def finish_request(self, rid: Hashable, share: bool = True) -> None:
         """Free the request's state; with ``share`` its output (tokens after the prompt) joins the shared cache."""

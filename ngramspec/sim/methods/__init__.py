@@ -77,7 +77,8 @@ class Method:
 
 METHODS: dict[str, Callable[..., Method]] = {}
 DESCRIPTIONS: dict[str, str] = {}
-_BUILTIN_MODULES = ("baselines", "sglang_ngram", "arctic_suffix", "ngramspec_static", "oracle_ctl", "adaptive")
+_BUILTIN_MODULES = ("baselines", "sglang_ngram", "arctic_suffix", "ngramspec_static", "ahead", "oracle_ctl",
+                    "adaptive")
 _loaded = False
 
 
