@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ngramspec._draft import MAX_BRANCH, SRC_LOCAL, SRC_SHARED, continuations, draft_chain, draft_tree, \
-    tree_scratch
+from ngramspec._draft import MAX_BRANCH, SRC_LOCAL, SRC_SHARED, continuations, draft_chain, draft_tree, tree_scratch
 from ngramspec._nrt import REFCOUNT, list_item
 from ngramspec._trie import longest_match
 

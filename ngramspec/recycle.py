@@ -13,7 +13,8 @@ State is one int32 array of ``vocab_size x k`` (-1: no candidate yet): bounded b
 from a root token into the (tokens, parents) form of the other drafts (`ngramspec.layout`: parents[j] < j, -1 for
 the root's children; no parent with two children of one token).
 
-Not yet wired into the drafts, the controller or the SGLang plugin.
+Used by the simulator's `recycle` and `ngramspec-recycle` methods on traces that carry the model's top-k
+(`scripts/record_topk.py`); not yet by the controller or the SGLang plugin.
 """
 from __future__ import annotations
 

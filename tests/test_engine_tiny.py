@@ -239,3 +239,23 @@ def test_other_policies_plans_are_checked_and_may_hold_lists(tiny_model, prompts
     assert res.outputs == reference
     with pytest.raises(ValueError, match="policy chose width 1"):
         dec.generate(prompts[:1], new_tokens, policy=TooLong(8, tree=True), cache=NgramCache())
+
+
+@pytest.mark.parametrize("spec", [None, "tree:k=6"])
+def test_recorded_topk_is_the_distribution_of_each_output_token(tiny_model, prompts, spec):
+    """`record_topk`: one row per output token, its first entry the token itself (greedy), and, plain or
+    speculative, the same rows (the scores at the committed positions do not depend on the drafts)."""
+    new = 20
+    dec = SpecDecoder(KVModel(tiny_model, batch=2, max_len=max(map(len, prompts)) + new + 8), record_topk=4)
+    policy = make_policy(spec) if spec else None
+    res = dec.generate(prompts[:2], new, policy=policy, cache=NgramCache(max_depth=8) if spec else None)
+    ref = SpecDecoder(KVModel(tiny_model, batch=1, max_len=max(map(len, prompts)) + new + 1), record_topk=4)
+    for i in range(2):
+        assert res.topk[i].shape == (len(res.outputs[i]), 4)
+        assert res.topk[i][:, 0].tolist() == res.outputs[i]
+        one = ref.generate([prompts[i]], new)
+        assert one.outputs[0] == res.outputs[i] and np.array_equal(one.topk[0], res.topk[i])
+    if spec:
+        assert sum(sum(r.accepted) for r in res.records) > 0  # drafts were accepted: rows came from tree paths
+    with pytest.raises(ValueError, match="record_topk"):
+        SpecDecoder(KVModel(tiny_model, batch=1, max_len=8), record_topk=-1)

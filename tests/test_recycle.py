@@ -103,3 +103,70 @@ def test_bad_input_is_refused_by_name(call, message):
     with pytest.raises(ValueError, match=message):
         call(t)
     assert np.array_equal(t.succ, before)  # nothing half-written
+
+
+# ------------------------------------------------------------------------ the simulator's recycling methods
+def _cycle_trace(n_req=3, out_len=40, topk_noise=False):
+    """Outputs walk a fixed successor cycle; each output token's top-k row has the true token first."""
+    from ngramspec.sim.traces import make_trace
+
+    rng = np.random.default_rng(1)
+    nxt = {t: (t * 7 + 3) % 50 for t in range(50)}
+    records = []
+    for r in range(n_req):
+        prompt = [int(rng.integers(50, 90)) for _ in range(4)] + [r]
+        out, prev = [], r
+        for _ in range(out_len):
+            prev = nxt[prev]
+            out.append(prev)
+        topk = [[t, 99, 98] for t in out]
+        records.append({"prompt": prompt, "output": out, "topk": topk})
+    return make_trace("cycle", records), nxt
+
+
+def test_recycling_drafts_what_the_model_scored_before():
+    from ngramspec.sim.methods import make_method
+    from ngramspec.sim.simulate import replay
+
+    trace, nxt = _cycle_trace()
+    method = make_method("recycle:k=6,topk=3,vocab=128")
+    run = replay(trace, method)
+    assert run.tokens == trace.output_tokens
+    # the table holds, for every token seen as a predecessor, its latest top-3 row: the true successor first
+    for t, s in nxt.items():
+        row = method.table.succ[t]
+        assert row[0] in (-1, s) and (row[0] == -1 or row[1:].tolist() == [99, 98])
+    # once the cycle has been scored, the chains of rank-0 candidates are accepted
+    assert run.accepted > run.tokens // 3
+
+
+def test_scores_are_required_and_checked():
+    from ngramspec.sim.methods import make_method
+    from ngramspec.sim.simulate import replay
+    from ngramspec.sim.traces import make_trace
+
+    bare = make_trace("t", [{"prompt": [1, 2], "output": [3, 4]}])
+    with pytest.raises(ValueError, match="topk"):
+        replay(bare, make_method("recycle"))
+    with pytest.raises(ValueError, match="one row of k >= 1"):
+        make_trace("t", [{"prompt": [1, 2], "output": [3, 4], "topk": [[3, 5]]}])
+    with pytest.raises(ValueError, match="outside"):
+        make_trace("t", [{"prompt": [1, 2], "output": [3], "topk": [[-3]]}])
+
+
+def test_ngram_first_then_recycling(tmp_path):
+    from ngramspec.engine.trace import read_trace, write_trace
+    from ngramspec.sim.methods import make_method
+    from ngramspec.sim.simulate import replay
+    from ngramspec.sim.traces import load_trace
+
+    trace, _ = _cycle_trace()
+    path = write_trace(tmp_path / "t.jsonl.gz", [r.prompt for r in trace.requests],
+                       [r.output for r in trace.requests], workload="cycle",
+                       topk=[r.topk for r in trace.requests])
+    assert read_trace(path)[0]["topk"][0] == trace.requests[0].topk[0].tolist()
+    again = load_trace(path)
+    method = make_method("ngramspec-recycle:k=6,topk=3,vocab=128,min_match=2")
+    run = replay(again, method)
+    assert run.tokens == trace.output_tokens
+    assert method.from_ngram > 0 and method.from_recycle > 0

@@ -53,6 +53,9 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     records: list[StepRecord] = field(default_factory=list)
+    # with `SpecDecoder(record_topk=k)`: per request, per output token, the k most likely tokens of the
+    # distribution that produced it (the model's scores at the committed position before it), [n_out, k] int32
+    topk: list[np.ndarray] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -122,7 +125,11 @@ class SpecDecoder:
     together; the `NgramCache`, if any, is the caller's and persists across calls (its shared part learns).
     """
 
-    def __init__(self, kv: KVModel, runner=None, sync_moves: bool = False):
+    def __init__(self, kv: KVModel, runner=None, sync_moves: bool = False, record_topk: int = 0):
+        if not isinstance(record_topk, int) or not 0 <= record_topk <= kv.shape.vocab:
+            raise ValueError(f"record_topk must be an integer in [0, {kv.shape.vocab}], got {record_topk!r}")
+        self.record_topk = record_topk  # > 0: keep the top-k of every committed position (token recycling)
+        self._topk = None  # the last verify's top-k [B, width, k] (host), when recording
         self.kv = kv
         self.verifier = Verifier(kv, runner)
         self.sync_moves = bool(sync_moves)  # wait for a step's KV moves inside the step (its time, not the next's)
@@ -192,6 +199,7 @@ class SpecDecoder:
         length = np.array([len(p) - 1 for p in prompts], np.int64)   # valid cache slots per row
         root = np.array([p[-1] for p in prompts], np.int64)           # last committed token, not yet in cache
         outputs: list[list[int]] = [[] for _ in range(B)]
+        topk_rows: list[list[np.ndarray]] | None = [[] for _ in range(B)] if self.record_topk else None
         steps = [0] * B
         records: list[StepRecord] = []
         # a controller with the one-call `step` (AdaptiveController) takes each row's tokens of the last step
@@ -272,6 +280,8 @@ class SpecDecoder:
                 if eos_token_id is not None and eos_token_id in new:
                     new = new[:new.index(eos_token_id) + 1]
                 outputs[i].extend(new)
+                if topk_rows is not None:  # the rows whose distributions produced `new`: the root, then the path
+                    topk_rows[i].append(self._topk[i, ([0] + path)[:len(new)]])
                 accepted_counts[j] = min(len(path), len(new))   # as the simulator counts a truncated last step
                 steps[i] += 1
                 length[i] += 1 + len(path)
@@ -307,7 +317,10 @@ class SpecDecoder:
             for rid in rids:
                 cache.finish_request(rid, share=share)
                 policy.finish(rid)
-        return GenerationResult(outputs, steps, prefill_seconds, decode_seconds, records)
+        topk = None if topk_rows is None else [
+            np.concatenate(rows).astype(np.int32) if rows else np.zeros((0, self.record_topk), np.int32)
+            for rows in topk_rows]
+        return GenerationResult(outputs, steps, prefill_seconds, decode_seconds, records, topk)
 
     def _verify(self, tok, depth, anc, length, L) -> np.ndarray:
         """Greedy prediction `[B, width]` after each row of the verify block."""
@@ -330,6 +343,8 @@ class SpecDecoder:
         mask.scatter_(2, slots[:, None, :].expand(B, n, n), ancestors)
         logits = self.verifier.forward(tokens, positions, slots, mask)
         predicted = logits.argmax(-1)
+        if self.record_topk:
+            self._topk = logits.topk(self.record_topk, dim=-1).indices.cpu().numpy()
         if self._while_forward is not None:  # the launches above are asynchronous on a GPU: use the wait
             fn, *args = self._while_forward
             fn(*args)

@@ -76,6 +76,12 @@ def replay(trace: Trace, method: Method, batch: int = 1, profile: CostProfile | 
         method.bind_profile(profile)
     prompts = [r.prompt for r in trace.requests]
     outputs = [r.output for r in trace.requests]
+    scores = None
+    if getattr(method, "uses_scores", False):
+        scores = [r.topk for r in trace.requests]
+        if any(s is None for s in scores):
+            raise ValueError(f"method {method.name} drafts from the model's top-k scores: the trace needs a "
+                             "`topk` field in every record (scripts/record_topk.py writes one)")
     result = Replay(trace.name, method.name, batch, requests=len(outputs),
                     profile=profile.name if method.profile_dependent else None)
     counts = result.step_counts
@@ -121,6 +127,8 @@ def replay(trace: Trace, method: Method, batch: int = 1, profile: CostProfile | 
             n_accepted = accepted_length(tokens, parents, output, p) if n_draft else 0
             n_commit = min(n_accepted + 1, len(output) - p)
             t0 = clock()
+            if scores is not None:  # the model's scores at the committed positions: the server has them now
+                method.see_scores(rid, scores[rid][p: p + n_commit])
             method.update(rid, output[p: p + n_commit], n_accepted)
             proposer_s += clock() - t0
             pos[rid] = p + n_commit

@@ -32,6 +32,9 @@ class Request:
     id: str
     prompt: np.ndarray  # int32
     output: np.ndarray  # int32
+    # optional (`topk` in a record): per output token, the model's k most likely tokens of the distribution that
+    # produced it, [len(output), k] int32 (what a server's verify scores at the committed positions)
+    topk: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,19 @@ def token_array(values, what: str) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def topk_array(values, n_out: int, at: str) -> np.ndarray:
+    """A record's `topk`: one row of k >= 1 token ids per output token."""
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError):
+        arr = None
+    if arr is None or arr.ndim != 2 or arr.shape[0] != n_out or arr.shape[1] < 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{at}: topk must hold one row of k >= 1 integer token ids per output token ({n_out})")
+    if arr.min() < 0 or arr.max() >= TOKEN_LIMIT:
+        raise ValueError(f"{at}: topk has token ids outside [0, 2**31)")
+    return arr.astype(np.int32)
+
+
 def make_trace(name: str, records, where: list[str] | None = None) -> Trace:
     """Build a Trace from dicts with `prompt` and `output` (and optionally `id`); `where[i]` names record i in
     errors (default `NAME: record i+1`, counted from 1 as editors count lines)."""
@@ -82,8 +98,9 @@ def make_trace(name: str, records, where: list[str] | None = None) -> Trace:
         if not isinstance(rec, dict) or "prompt" not in rec or "output" not in rec:
             raise ValueError(f"{at}: a record needs 'prompt' and 'output' fields ({FORMATS})")
         rid = str(rec.get("id", i))
-        requests.append(Request(rid, token_array(rec["prompt"], f"{at}: prompt"),
-                                token_array(rec["output"], f"{at}: output")))
+        output = token_array(rec["output"], f"{at}: output")
+        requests.append(Request(rid, token_array(rec["prompt"], f"{at}: prompt"), output,
+                                None if rec.get("topk") is None else topk_array(rec["topk"], len(output), at)))
     if not requests:
         raise ValueError(f"{name}: no records")
     return Trace(name, tuple(requests))

@@ -18,8 +18,11 @@ the root being the last committed token, and `parents[j] < j`):
 Optional hooks the simulator honours: `warmup()` runs before the replay's clock starts (JIT compilation stays
 out of the proposer's time); `needs_future = True` makes it call `see_future(rid, output)` before
 `start` (upper bounds only); `profile_dependent = True` makes it replay once per profile and call
-`bind_profile(profile)` first. Before every `propose` the simulator sets `method.waiting` to the number of
-requests not yet admitted (what a server's scheduler knows: its queue length).
+`bind_profile(profile)` first; `uses_scores = True` (the trace must carry `topk`) makes it call
+`see_scores(rid, rows)` before each `update`, with the model's top-k at the positions whose distributions produced
+the committed tokens (one row per committed token: what a server's verify computed in that step). Before every
+`propose` the simulator sets `method.waiting` to the number of requests not yet admitted (what a server's
+scheduler knows: its queue length).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class Method:
     name: str = "method"
     needs_future = False
     profile_dependent = False
+    uses_scores = False
     waiting: int | None = None  # requests queued behind the batch; the simulator sets it before each propose
 
     def warmup(self) -> None:
@@ -77,8 +81,8 @@ class Method:
 
 METHODS: dict[str, Callable[..., Method]] = {}
 DESCRIPTIONS: dict[str, str] = {}
-_BUILTIN_MODULES = ("baselines", "sglang_ngram", "arctic_suffix", "ngramspec_static", "ahead", "oracle_ctl",
-                    "adaptive")
+_BUILTIN_MODULES = ("baselines", "sglang_ngram", "arctic_suffix", "ngramspec_static", "ahead", "recycling",
+                    "oracle_ctl", "adaptive")
 _loaded = False
 
 

@@ -1,0 +1,106 @@
+"""`recycle` and `ngramspec-recycle`: drafts from token recycling's table (`ngramspec.recycle`), alone or where
+the n-gram cache has no match.
+
+The table (one for all requests, as in the paper) takes, after every step, the model's top-k at the positions
+that produced the committed tokens: row `prev` (the token before each committed token) becomes that top-k. The
+trace must carry them (`topk`, recorded by the engine: scripts/record_topk.py); the rows of rejected draft nodes,
+which a real verify also scores, are not in a trace, so the table here is updated less often than a server's.
+
+Parameters: `k` (draft nodes per request, 8), `branching` (the breadth-first template, default 4-2-2-1-1-1),
+`topk` (candidates kept per token, 8; at most the trace's), `vocab` (table rows, 262144), and for
+`ngramspec-recycle` `depth` (the cache's max_depth) and `min_match` (the shortest n-gram match whose draft is
+taken, 1; a shorter one leaves the step to recycling).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ngramspec.sim.methods import EMPTY_DRAFT, Method, positive_int, register_method
+from ngramspec.sim.methods.ngramspec_static import make_cache
+
+
+class Recycle(Method):
+    uses_scores = True
+
+    def __init__(self, k: int = 8, branching: str = "4-2-2-1-1-1", topk: int = 8, vocab: int = 1 << 18,
+                 ngram: bool = False, depth: int | None = None, min_match: int = 1):
+        from ngramspec.recycle import RecycleTable, bfs_template
+
+        self.k = positive_int(k, "recycle k")
+        try:
+            widths = [int(b) for b in str(branching).split("-")]
+        except ValueError:
+            raise ValueError(f"branching must look like 4-2-2-1, got {branching!r}") from None
+        self.table = RecycleTable(positive_int(vocab, "recycle vocab"), positive_int(topk, "recycle topk"),
+                                  bfs_template(widths))
+        self.ngram = bool(ngram)
+        self.min_match = positive_int(min_match, "min_match")
+        self.cache = make_cache(depth) if self.ngram else None
+        self._last: dict = {}  # rid -> its last committed token (the root of its next draft)
+        self.from_ngram = self.from_recycle = 0  # steps drafted by each source
+
+    def warmup(self):
+        from ngramspec.warmup import warm_up
+
+        warm_up()
+        self.table.update(np.zeros(1, np.int32), np.zeros((1, self.table.k), np.int32))
+        self.table.draft(0, 2)
+        self.table.succ[0] = -1
+
+    def start(self, rid, prompt):
+        self._last[rid] = int(prompt[-1])
+        if self.cache is not None:
+            self.cache.start_request(rid, prompt)
+
+    def propose(self, rids):
+        out = [EMPTY_DRAFT] * len(rids)
+        if self.cache is not None:
+            batch = self.cache.propose(rids, self.k, tree=True)
+            for i in range(len(rids)):
+                d = batch.draft(i)
+                if len(d) and batch.match_lens[i] >= self.min_match:
+                    out[i] = (d.tokens, d.parents)
+                    self.from_ngram += 1
+        for i, rid in enumerate(rids):
+            if not len(out[i][0]):
+                tokens, parents = self.table.draft(self._last[rid], self.k)
+                if len(tokens):
+                    out[i] = (tokens, parents)
+                    self.from_recycle += 1
+        return out
+
+    def see_scores(self, rid, rows):
+        kk = min(self.table.k, rows.shape[1])
+        n = rows.shape[0]
+        prev = np.empty(n, np.int32)
+        prev[0] = self._last[rid]
+        self._pending = (rid, prev, np.ascontiguousarray(rows[:, :kk]))
+
+    def update(self, rid, committed, n_accepted):
+        pend_rid, prev, rows = self._pending
+        assert pend_rid == rid
+        prev[1:] = committed[:-1]
+        self.table.update(prev, rows)
+        self._last[rid] = int(committed[-1])
+        if self.cache is not None:
+            self.cache.add_tokens(rid, committed)
+
+    def finish(self, rid):
+        self._last.pop(rid, None)
+        if self.cache is not None:
+            self.cache.finish_request(rid, share=True)
+
+
+def _ngram_recycle(k: int = 8, branching: str = "4-2-2-1-1-1", topk: int = 8, vocab: int = 1 << 18,
+                   depth: int | None = None, min_match: int = 1) -> Recycle:
+    return Recycle(k, branching, topk, vocab, ngram=True, depth=depth, min_match=min_match)
+
+
+def _recycle(k: int = 8, branching: str = "4-2-2-1-1-1", topk: int = 8, vocab: int = 1 << 18) -> Recycle:
+    return Recycle(k, branching, topk, vocab)
+
+
+register_method("recycle", _recycle, "token recycling: drafts from each token's latest top-k successors "
+                "(needs a trace with topk)")
+register_method("ngramspec-recycle", _ngram_recycle, "ngramspec-tree's drafts where the n-gram cache matches, "
+                "token recycling's elsewhere (needs a trace with topk)")
