@@ -226,7 +226,8 @@ class ReferenceController:
                  explore_min: int = 1, explore_optimism: float = 0.7,
                  prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
                  request_alpha: float = 0.25, min_gain: float = 0.1,
-                 trace_len: int = 1000, costs=None):
+                 trace_len: int = 1000, costs=None, drain: str = "gmean"):
+        self.drain = drain
         widths = sorted(set(int(w) for w in widths))
         if not widths or widths[0] < 1:
             raise ValueError(f"widths must be positive integers, got {widths}")
@@ -330,7 +331,11 @@ class ReferenceController:
             if w > 1 and not any_draft:
                 break
             cost = self.costs.estimate(B, w)
-            if draining:  # geometric mean of the requests' rates, as a batch rate
+            if draining and self.drain == "hmean":  # the harmonic mean of the requests' rates, as a batch rate
+                values.append((B * (B / float((1.0 / (1.0 + G[:, wi])).sum())) / cost, w, tokens, cost))
+            elif draining and self.drain == "min":  # the slowest request's rate, as a batch rate
+                values.append((B * (1.0 + float(G[:, wi].min())) / cost, w, tokens, cost))
+            elif draining:  # geometric mean of the requests' rates, as a batch rate
                 values.append((B * math.exp(log_tokens[wi] / B) / cost, w, tokens, cost))
             else:
                 values.append((tokens / cost, w, tokens, cost))

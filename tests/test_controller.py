@@ -324,12 +324,15 @@ def _synthetic_records(seed, n=12):
     return recs
 
 
-@pytest.mark.parametrize("batch, waiting", [(1, "queue"), (4, "queue"), (4, "unknown"), (6, "drain")])
+@pytest.mark.parametrize("batch, waiting", [(1, "queue"), (4, "queue"), (4, "unknown"), (6, "drain"),
+                                            (6, "drain-min"), (6, "drain-hmean")])
 def test_numba_controller_takes_the_reference_decisions(batch, waiting):
     """The numba kernels (cells, shadow evaluation, cost model, width choice) reproduce the pure-Python
     controller decision for decision, expected tokens and estimated cost bit for bit."""
-    waiting_of = {"queue": lambda n: n, "unknown": lambda n: None, "drain": lambda n: 0}[waiting]
-    old, new = _lockstep(_synthetic_records(batch), batch, SEED, 400, waiting_of)
+    waiting_of = {"queue": lambda n: n, "unknown": lambda n: None, "drain": lambda n: 0,
+                  "drain-min": lambda n: 0, "drain-hmean": lambda n: 0}[waiting]
+    kw = {"drain": waiting[6:]} if waiting.startswith("drain-") else {}
+    old, new = _lockstep(_synthetic_records(batch), batch, SEED, 400, waiting_of, **kw)
     assert len(old) > 100 and old == new
     assert len({w for w, *_ in old}) > 2  # the run exercised several widths
 
@@ -637,3 +640,17 @@ def test_simulator_charges_measured_host_time():
                      "--no-progress", "--json", f"{d}/rows.json"]) == 0
         rows = json.load(open(f"{d}/rows.json"))
         assert all(r["speedup_with_host"] < r["speedup_no_host"] for r in rows)
+
+
+def test_drain_min_judges_a_draining_batch_by_its_slowest_request():
+    """drain="min" drafts less than "gmean" in a draining batch (a request without a draft holds the minimum at
+    plain speed), and changes nothing while requests wait."""
+    recs = _synthetic_records(6)
+    gmean, _ = _lockstep(recs, 6, SEED, 300, lambda n: 0)
+    lo, _ = _lockstep(recs, 6, SEED, 300, lambda n: 0, drain="min")
+    assert sum(w for w, *_ in lo) < sum(w for w, *_ in gmean)
+    queued, _ = _lockstep(recs, 6, SEED, 300, lambda n: n + 1)
+    queued_min, _ = _lockstep(recs, 6, SEED, 300, lambda n: n + 1, drain="min")
+    assert queued == queued_min
+    with pytest.raises(ValueError, match="drain"):
+        AdaptiveController(drain="max")

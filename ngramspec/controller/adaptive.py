@@ -101,6 +101,9 @@ def _counter(i: int, doc: str) -> property:
     return property(get, put, doc=doc)
 
 
+_DRAIN = {"gmean": 1, "min": 2, "hmean": 3}  # the drain objectives, as the step kernels number them
+
+
 class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
     """Chooses the batch verify width and each request's draft prefix. See the module docstring.
 
@@ -118,7 +121,10 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
     ``stale_after`` (reported steps after which a width's measurement may be re-checked, see the module
     docstring; None: never), ``trace_len`` (decisions kept for debugging), ``predictor`` ("beta": the Beta cells
     alone; "logistic": their estimate corrected online by a logistic model over the request's copy run and
-    success, see ``calibration``).
+    success, see ``calibration``), ``drain`` (the objective when nobody waits behind a batch of several requests:
+    "gmean", their geometric-mean speed; "hmean", their harmonic-mean speed; "min", the slowest one's: the last
+    two weigh more the requests a draft does not speed up, which hold back a closed batch that ends with its last
+    request).
     """
 
     _n_steps = _counter(C_STEPS, "steps decided")
@@ -131,9 +137,14 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
                  explore_min: int = 1, explore_optimism: float = 0.7,
                  prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
                  request_alpha: float = 0.25, min_gain: float = 0.1, cost_clip: float | None = 2.0,
-                 stale_after: int | None = 500, trace_len: int = 1000, predictor: str = "beta"):
+                 stale_after: int | None = 500, trace_len: int = 1000, predictor: str = "beta",
+                 drain: str = "gmean"):
         if predictor not in ("beta", "logistic"):
             raise ValueError(f"predictor must be 'beta' or 'logistic', got {predictor!r}")
+        if drain not in _DRAIN:
+            raise ValueError(f"drain must be one of {', '.join(_DRAIN)}, got {drain!r}")
+        self.drain = drain
+        self._drain = _DRAIN[drain]
         self.predictor = predictor
         widths = check_widths(widths)
         self.widths = widths

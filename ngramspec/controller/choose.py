@@ -48,7 +48,17 @@ def _choose(offsets, widths, row, draining, min_gain, may_explore, may_remeasure
         values[w] = -np.inf
         if widths[w] > 1 and not any_draft:
             continue
-        if draining:  # geometric mean of the requests' rates, as a batch rate
+        if draining == 3:  # the harmonic mean of the requests' rates, as a batch rate (drain="hmean")
+            inv = 0.0
+            for i in range(B):
+                inv += 1.0 / (1.0 + G[i, w])
+            values[w] = B * (B / inv) / costs[w]
+        elif draining == 2:  # the slowest request's rate, as a batch rate (drain="min")
+            lo = np.inf
+            for i in range(B):
+                lo = min(lo, G[i, w])
+            values[w] = B * (1.0 + lo) / costs[w]
+        elif draining:  # geometric mean of the requests' rates, as a batch rate
             lt = 0.0
             for i in range(B):
                 lt += math.log1p(G[i, w])
@@ -205,9 +215,15 @@ class Choosing:
         lengths = np.empty(B, np.int64)
         if toks is None:
             toks, offs = _NO_TOKENS, _NO_OFFSETS
-        wi, why, expected, cost = self._ctl_step(_step_kernel, slots, batch, toks, offs, waiting == 0 and B > 1,
+        wi, why, expected, cost = self._ctl_step(_step_kernel, slots, batch, toks, offs, self._draining(waiting, B),
                                                  may_explore, may_remeasure, lengths, switch)
         return self._decided(wi, why, lengths, expected, cost)
+
+    def _draining(self, waiting, B: int) -> int:
+        """The step kernels' objective: 0 the batch's tokens per unit time (requests queued, or unknown), else
+        (nobody waits: the batch drains) 1 its requests' geometric-mean speed, 2 its slowest request's speed, 3 their
+        harmonic-mean speed."""
+        return self._drain if waiting == 0 and B > 1 else 0
 
     def _may(self) -> tuple[bool, bool]:
         """Whether this step may explore an unmeasured width, and re-measure a stale one (at most one

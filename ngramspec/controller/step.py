@@ -257,9 +257,9 @@ class Stepping:
         while True:
             code, n, wi, why, need_d, need_n, expected, cost = self._host_direct(
                 cslots, toks, offs, append, self._step_state(cache, B), bool(tree), slots, self.request_alpha,
-                self.prior_strength, costs.stale_after, waiting == 0 and B > 1, self.min_gain, self.explore_optimism,
-                lengths, switch, self.explore_min, self.explore_frac, clock, obs_batch, obs_wi, obs_ms, costs.alpha,
-                costs.clip, dry)
+                self.prior_strength, costs.stale_after, self._draining(waiting, B), self.min_gain,
+                self.explore_optimism, lengths, switch, self.explore_min, self.explore_frac, clock, obs_batch, obs_wi,
+                obs_ms, costs.alpha, costs.clip, dry)
             if code == 0:
                 break
             if code < 0:  # a negative token id: nothing changed; the full validation names the request
@@ -279,7 +279,7 @@ class Stepping:
             self._pend = self._pend.grow_pool(need_d, need_n)
             may_explore, may_remeasure = self._may()
             wi, why, expected, cost = self._ctl_step(self._step_direct, slots, batch, toks, offs,
-                                                     waiting == 0 and B > 1, may_explore, may_remeasure, lengths,
+                                                     self._draining(waiting, B), may_explore, may_remeasure, lengths,
                                                      switch)
             return batch, self._decided(wi, why, lengths, expected, cost)
         return batch, _new_plan(self.widths[wi], lengths, expected, cost, _REASONS[why])
