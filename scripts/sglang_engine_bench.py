@@ -141,6 +141,10 @@ CONFIGS = {
     # default 0.1): where a verify costs 2-3x a plain step and drafts accept little (free text at batch 8-16)
     "adaptive_mg03": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"min_gain": 0.3}}),
     "adaptive_mg05": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"min_gain": 0.5}}),
+    # the objective when nobody waits behind the batch (the controller's drain, default gmean: the requests'
+    # geometric-mean speed): their harmonic-mean speed, or the slowest request's (a closed batch ends with its last)
+    "adaptive_dhm": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"drain": "hmean"}}),
+    "adaptive_dmin": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"drain": "min"}}),
 }
 
 
