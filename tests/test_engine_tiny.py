@@ -259,3 +259,25 @@ def test_recorded_topk_is_the_distribution_of_each_output_token(tiny_model, prom
         assert sum(sum(r.accepted) for r in res.records) > 0  # drafts were accepted: rows came from tree paths
     with pytest.raises(ValueError, match="record_topk"):
         SpecDecoder(KVModel(tiny_model, batch=1, max_len=8), record_topk=-1)
+
+
+@pytest.mark.parametrize("min_match", [1, 100])
+def test_recycling_is_lossless_and_drafts_where_the_cache_does_not(tiny_model, prompts, min_match):
+    from ngramspec.recycle import RecycleTable
+
+    new = 24
+    want = plain(tiny_model, prompts[:2], new)
+    table = RecycleTable(VOCAB, k=4)
+    dec = SpecDecoder(KVModel(tiny_model, batch=2, max_len=max(map(len, prompts)) + new + 9))
+    res = dec.generate(prompts[:2], new, policy=FixedPolicy(8, tree=True), cache=NgramCache(max_depth=8),
+                       recycle=table, recycle_min_match=min_match)
+    assert res.outputs == want
+    ngram, recycled = res.recycled
+    assert recycled > 0 and (ngram == 0) == (min_match == 100)  # a match of 100 never happens: recycling only
+    assert (table.succ >= 0).any(axis=1).sum() > new  # the table learned rows for the verified tokens
+    if min_match == 100:
+        assert sum(sum(r.accepted) for r in res.records) > 0  # the tiny model's own top-1 chains get accepted
+    with pytest.raises(ValueError, match="recycle needs"):
+        dec.generate(prompts[:1], 4, recycle=table)
+    with pytest.raises(ValueError, match="rows for a vocabulary"):
+        dec.generate(prompts[:1], 4, policy=FixedPolicy(8, tree=True), cache=NgramCache(), recycle=RecycleTable(8))

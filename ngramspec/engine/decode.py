@@ -56,6 +56,7 @@ class GenerationResult:
     # with `SpecDecoder(record_topk=k)`: per request, per output token, the k most likely tokens of the
     # distribution that produced it (the model's scores at the committed position before it), [n_out, k] int32
     topk: list[np.ndarray] | None = None
+    recycled: tuple[int, int] | None = None  # with `recycle`: request-steps drafted by the n-gram cache, by recycling
 
     @property
     def new_tokens(self) -> int:
@@ -118,6 +119,29 @@ class Verifier:
         return self.kv.forward(tokens, positions, slots, mask, rows=slice(0, tokens.shape[0]))
 
 
+def _with_recycled(batch, table, roots, min_match: int, budget: int, sources: list):
+    """``batch`` (an `NgramCache` proposal) with each request whose draft is empty or grew from a match shorter than
+    ``min_match`` drafting from the recycling ``table`` instead (from its last token ``roots[j]``), as flat arrays
+    with the offsets a fixed policy plans from. ``sources`` counts the drafted request-steps per source."""
+    from types import SimpleNamespace
+
+    toks, pars = [], []
+    for j, root in enumerate(roots):
+        d = batch.draft(j)
+        if len(d) and batch.match_lens[j] >= min_match:
+            toks.append(d.tokens)
+            pars.append(d.parents)
+            sources[0] += 1
+        else:
+            t, p = table.draft(root, budget)
+            toks.append(t)
+            pars.append(p)
+            sources[1] += len(t) > 0
+    lens = [len(t) for t in toks]
+    return SimpleNamespace(tokens=np.concatenate(toks).astype(np.int32), parents=np.concatenate(pars).astype(np.int32),
+                           offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+
+
 class SpecDecoder:
     """Greedy decoding of a batch of prompts, with optional n-gram speculation.
 
@@ -151,7 +175,7 @@ class SpecDecoder:
     # -- decode ---------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, policy: Controller | None = None,
                  cache=None, rids: Sequence | None = None, eos_token_id: int | None = None,
-                 share: bool = True, progress=None) -> GenerationResult:
+                 share: bool = True, progress=None, recycle=None, recycle_min_match: int = 1) -> GenerationResult:
         """Decode greedily up to `max_new_tokens` per prompt (fewer if `eos_token_id` is emitted).
 
         With `policy` (a `ngramspec.controller.Controller`, e.g. `FixedPolicy` or `AdaptivePolicy`; its `tree`
@@ -159,6 +183,12 @@ class SpecDecoder:
         step; outputs are identical to plain greedy decoding up to floating-point ties. `rids` name the requests
         in the cache (default 0..B-1); `share` is passed to `finish_request`. `progress` (a tqdm bar or None) is
         advanced by committed tokens.
+
+        `recycle` (a `ngramspec.recycle.RecycleTable`, with a policy that plans from its drafts alone, such as
+        `FixedPolicy`): token recycling as a second source. After every step the table takes the model's top-k at
+        every row it verified (the root and each draft node, accepted or not); a request whose n-gram draft is
+        empty or grew from a match shorter than `recycle_min_match` tokens drafts from the table instead.
+        `GenerationResult.recycled` counts the steps each source drafted.
         """
         B = len(prompts)
         if not 1 <= B <= self.kv.batch:
@@ -167,6 +197,12 @@ class SpecDecoder:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if (policy is None) != (cache is None):
             raise ValueError("policy and cache go together: both for speculation, neither for plain greedy")
+        if recycle is not None and (policy is None or callable(getattr(policy, "step", None))):
+            raise ValueError("recycle needs a policy that plans from the drafts it is given (e.g. FixedPolicy)")
+        if recycle is not None and recycle.vocab_size < self.kv.shape.vocab:
+            raise ValueError(f"the recycling table has {recycle.vocab_size} rows for a vocabulary of "
+                             f"{self.kv.shape.vocab}")
+        topk_k = max(self.record_topk, recycle.k if recycle is not None else 0)
         prompts = [[int(t) for t in p] for p in prompts]
         if any(len(p) == 0 for p in prompts):
             raise ValueError("empty prompt")
@@ -200,6 +236,7 @@ class SpecDecoder:
         root = np.array([p[-1] for p in prompts], np.int64)           # last committed token, not yet in cache
         outputs: list[list[int]] = [[] for _ in range(B)]
         topk_rows: list[list[np.ndarray]] | None = [[] for _ in range(B)] if self.record_topk else None
+        sources = [0, 0]  # steps of a request drafted by the n-gram cache, by the recycling table
         steps = [0] * B
         records: list[StepRecord] = []
         # a controller with the one-call `step` (AdaptiveController) takes each row's tokens of the last step
@@ -235,6 +272,9 @@ class SpecDecoder:
                     batch, plan = policy.step(cache, act_rids, [fresh[i] for i in act], waiting=0, tree=tree)
                 else:
                     batch = cache.propose(act_rids, max(1, policy.max_width - 1), tree=tree)
+                    if recycle is not None:
+                        batch = _with_recycled(batch, recycle, [int(root[i]) for i in act], recycle_min_match,
+                                               max(1, policy.max_width - 1), sources)
                     plan = policy.plan(act_rids, batch, waiting=0)
                 t_plan = time.perf_counter()
                 if trusted:
@@ -260,7 +300,11 @@ class SpecDecoder:
             L = int(length.max()) + width
             t_verify = time.perf_counter()
             self._while_forward = None if prefetch is None else (prefetch, cache, act_rids)
-            predicted = self._verify(tok, depth, anc, length, L)
+            predicted = self._verify(tok, depth, anc, length, L, topk_k)
+            if recycle is not None:  # every verified row's top-k: the root's and each draft node's
+                rows = [(i, int(counts[i]) + 1) for i in act]
+                recycle.update(np.concatenate([tok[i, :n] for i, n in rows]).astype(np.int64),
+                               np.concatenate([self._topk[i, :n, :recycle.k] for i, n in rows]))
             t_verified = time.perf_counter()
 
             accepted_counts = [0] * n_act
@@ -281,7 +325,7 @@ class SpecDecoder:
                     new = new[:new.index(eos_token_id) + 1]
                 outputs[i].extend(new)
                 if topk_rows is not None:  # the rows whose distributions produced `new`: the root, then the path
-                    topk_rows[i].append(self._topk[i, ([0] + path)[:len(new)]])
+                    topk_rows[i].append(self._topk[i, ([0] + path)[:len(new)], :self.record_topk])
                 accepted_counts[j] = min(len(path), len(new))   # as the simulator counts a truncated last step
                 steps[i] += 1
                 length[i] += 1 + len(path)
@@ -320,9 +364,10 @@ class SpecDecoder:
         topk = None if topk_rows is None else [
             np.concatenate(rows).astype(np.int32) if rows else np.zeros((0, self.record_topk), np.int32)
             for rows in topk_rows]
-        return GenerationResult(outputs, steps, prefill_seconds, decode_seconds, records, topk)
+        return GenerationResult(outputs, steps, prefill_seconds, decode_seconds, records, topk,
+                                tuple(sources) if recycle is not None else None)
 
-    def _verify(self, tok, depth, anc, length, L) -> np.ndarray:
+    def _verify(self, tok, depth, anc, length, L, topk: int = 0) -> np.ndarray:
         """Greedy prediction `[B, width]` after each row of the verify block."""
         dev = self.device
         B, n = tok.shape
@@ -343,8 +388,8 @@ class SpecDecoder:
         mask.scatter_(2, slots[:, None, :].expand(B, n, n), ancestors)
         logits = self.verifier.forward(tokens, positions, slots, mask)
         predicted = logits.argmax(-1)
-        if self.record_topk:
-            self._topk = logits.topk(self.record_topk, dim=-1).indices.cpu().numpy()
+        if topk:
+            self._topk = logits.topk(topk, dim=-1).indices.cpu().numpy()
         if self._while_forward is not None:  # the launches above are asynchronous on a GPU: use the wait
             fn, *args = self._while_forward
             fn(*args)
