@@ -189,3 +189,42 @@ def test_demo_runs_and_reports_identical_outputs(model_and_tokenizer, tmp_path, 
 
     records = read_trace(trace)
     assert len(records) == 1 and 0 < len(records[0]["output"]) <= 24
+
+
+def _script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_recorded_topk_trace_replays_with_recycling(model_and_tokenizer, tmp_path):
+    """scripts/record_topk.py writes a trace whose top-k the simulator's recycling methods replay."""
+    from ngramspec.sim.methods import make_method
+    from ngramspec.sim.simulate import replay
+    from ngramspec.sim.traces import load_trace
+
+    out = tmp_path / "free.jsonl.gz"
+    assert _script("record_topk").main(["--out", str(out), "--set", "free", "--prompts", "2",
+                                        "--max-new-tokens", "16", "--topk", "4"]) == 0
+    trace = load_trace(out)
+    for r in trace.requests:
+        assert r.topk.shape == (len(r.output), 4) and r.topk[:, 0].tolist() == r.output.tolist()
+    run = replay(trace, make_method("ngramspec-recycle:k=8,topk=4,min_match=2"))
+    assert run.tokens == trace.output_tokens
+
+
+@pytest.mark.slow
+def test_engine_recycling_script_reports_lossless_rows(model_and_tokenizer, tmp_path):
+    out = tmp_path / "rows.json"
+    assert _script("engine_recycling").main(["--sets", "free", "--prompts", "2", "--max-new-tokens", "32",
+                                             "--k", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["config"] for r in rows] == ["ngram", "ngram+recycle", "recycle"]
+    assert all(r["outputs_equal_to_plain"] == 2 and r["accept_length"] >= 1.0 for r in rows)
+    assert rows[2]["steps_drafted_by_ngram"] == 0 and rows[2]["steps_drafted_by_recycling"] > 0
