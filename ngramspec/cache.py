@@ -72,6 +72,21 @@ class DraftBatch:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return Draft(self.tokens[a:b], self.parents[a:b], self.probs[a:b], self.sources[a:b])
 
+    @classmethod
+    def of(cls, tokens: Sequence, parents: Sequence, probs: Sequence | None = None) -> "DraftBatch":
+        """A batch of drafts given per request (``tokens[i]``, ``parents[i]``, optionally ``probs[i]``; else 0),
+        e.g. drafts from another source or picked from a `Lookahead`; sources 0 and match lengths 0."""
+        lens = [len(t) for t in tokens]
+        offsets = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        n = int(offsets[-1])
+        def cat(parts, dt):
+            return np.concatenate(parts).astype(dt) if len(parts) else np.zeros(0, dt)
+
+        return cls(cat(tokens, np.int32), cat(parents, np.int32),
+                   cat(probs, np.float32) if probs is not None else np.zeros(n, np.float32),
+                   np.zeros(n, np.int8), offsets, np.zeros(len(lens), np.int64))
+
 
 _new_batch = object.__new__
 

@@ -121,25 +121,22 @@ class Verifier:
 
 def _with_recycled(batch, table, roots, min_match: int, budget: int, sources: list):
     """``batch`` (an `NgramCache` proposal) with each request whose draft is empty or grew from a match shorter than
-    ``min_match`` drafting from the recycling ``table`` instead (from its last token ``roots[j]``), as flat arrays
-    with the offsets a fixed policy plans from. ``sources`` counts the drafted request-steps per source."""
-    from types import SimpleNamespace
+    ``min_match`` drafting from the recycling ``table`` instead (from its last token ``roots[j]``). ``sources``
+    counts the drafted request-steps per source."""
+    from ngramspec.cache import DraftBatch
 
     toks, pars = [], []
     for j, root in enumerate(roots):
         d = batch.draft(j)
         if len(d) and batch.match_lens[j] >= min_match:
-            toks.append(d.tokens)
-            pars.append(d.parents)
+            t, p = d.tokens, d.parents
             sources[0] += 1
         else:
             t, p = table.draft(root, budget)
-            toks.append(t)
-            pars.append(p)
             sources[1] += len(t) > 0
-    lens = [len(t) for t in toks]
-    return SimpleNamespace(tokens=np.concatenate(toks).astype(np.int32), parents=np.concatenate(pars).astype(np.int32),
-                           offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+        toks.append(t)
+        pars.append(p)
+    return DraftBatch.of(toks, pars)
 
 
 class SpecDecoder:

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ngramspec.cache import DraftBatch
 from ngramspec.lookahead import outcome_node, pick
 from ngramspec.sim.methods import Method, positive_int, register_method
 from ngramspec.sim.methods.ngramspec_static import make_cache
@@ -81,18 +82,13 @@ class NgramspecAhead(Method):
             self.synced += len(missed)
         out = [drafts[rid][:2] for rid in rids]
         # the next step's table, from the cache before this step's tokens and this step's drafts alone
-        lens = [len(t) for t, _ in out]
-        flat = SimpleNamespace(
-            tokens=np.concatenate([drafts[r][0] for r in rids]).astype(np.int32),
-            parents=np.concatenate([drafts[r][1] for r in rids]).astype(np.int32),
-            probs=np.concatenate([drafts[r][2] for r in rids]).astype(np.float32),
-            offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64))
+        flat = DraftBatch.of(*zip(*(drafts[r] for r in rids)))
         ahead = self.cache.propose_ahead(rids, flat, entries=self.entries, budget=self.k, tree=self.tree)
         for i, rid in enumerate(rids):
             row = SimpleNamespace(**{f: getattr(ahead, f)[i:i + 1] for f in
                                      ("node", "token", "weight", "tokens", "parents", "probs", "length")})
             self._table[rid] = (row, out[i])
-        self._width = 1 + max(lens, default=0)
+        self._width = 1 + max((len(t) for t, _ in out), default=0)
         return out
 
     def verify_width(self, rids, drafts):

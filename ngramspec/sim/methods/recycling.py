@@ -70,17 +70,11 @@ class Recycle(Method):
         return out
 
     def see_scores(self, rid, rows):
-        kk = min(self.table.k, rows.shape[1])
-        n = rows.shape[0]
-        prev = np.empty(n, np.int32)
-        prev[0] = self._last[rid]
-        self._pending = (rid, prev, np.ascontiguousarray(rows[:, :kk]))
+        self._rows = rows[:, :self.table.k]  # one row per token `update` commits next
 
     def update(self, rid, committed, n_accepted):
-        pend_rid, prev, rows = self._pending
-        assert pend_rid == rid
-        prev[1:] = committed[:-1]
-        self.table.update(prev, rows)
+        # the row of each committed token's predecessor (the request's last token, then the committed ones)
+        self.table.update(np.concatenate(([self._last[rid]], committed[:-1])), self._rows)
         self._last[rid] = int(committed[-1])
         if self.cache is not None:
             self.cache.add_tokens(rid, committed)
