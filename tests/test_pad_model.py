@@ -74,13 +74,14 @@ def test_dense_padding_keeps_the_logits(source, tmp_path):
     assert torch.all(model.model.layers[2].mlp.down_proj.weight == 0)
 
 
-def test_moe_padding_keeps_the_logits_and_spreads_the_tokens(source, tmp_path):
+@pytest.mark.parametrize("experts,top_k,spread", [(8, 2, 6), (64, 8, 40)])
+def test_moe_padding_keeps_the_logits_and_spreads_the_tokens(source, tmp_path, experts, top_k, spread):
     src, ids, ref = source
     out = str(tmp_path / "moe")
-    summary = _pad_module().build("moe", src, out, np.float32, experts=8, top_k=2, intermediate=40, extra_layers=1,
-                                  seed=0, router_std=0.5)
+    summary = _pad_module().build("moe", src, out, np.float32, experts=experts, top_k=top_k, intermediate=40,
+                                  extra_layers=1, seed=0, router_std=0.5)
     cfg = json.load(open(os.path.join(out, "config.json")))
-    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["num_local_experts"] == 8
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["num_local_experts"] == experts
     assert cfg["rope_parameters"]["rope_theta"] == cfg["rope_theta"] == 100000.0
     model, logits = _logits(out, ids)
     assert isinstance(model, transformers.MixtralForCausalLM)
@@ -93,8 +94,8 @@ def test_moe_padding_keeps_the_logits_and_spreads_the_tokens(source, tmp_path):
         model(ids)
     hook.remove()
     router_logits = picked[0][0] if isinstance(picked[0], tuple) else picked[0]
-    top = torch.topk(router_logits.reshape(-1, 8), 2, dim=-1).indices
-    assert len(torch.unique(top)) >= 6
+    top = torch.topk(router_logits.reshape(-1, experts), top_k, dim=-1).indices
+    assert len(torch.unique(top)) >= spread
     # control: one expert changed -> the logits move (the check above can fail)
     with torch.no_grad():
         experts = model.model.layers[0].mlp.experts
