@@ -14,7 +14,9 @@ scheduler), `prompt_ids` and `warm_prompt_ids`.
    clock over the run's decode steps where the bench ran without --sched-profile) at the run's mean batch
    (`profile.mean_batch`, else the mean batch of plain decoding of the run's outputs, else the concurrency);
    widths > 1 from the sweep config's measured step periods (`profile.controller.durations`, "width/batch" ->
-   mean_ms, merged over the runs weighted by their sample counts). Cells of the (batch x width) grid that were
+   mean_ms, merged over the runs weighted by their sample counts) and, at batch 1, from the c1 scheduler periods
+   of SGLang's NGRAM configs, which verify one fixed width every step (`ngram`: 12, `ngram8`: 8;
+   --no-fixed-width leaves them out). Cells of the (batch x width) grid that were
    not measured are filled along the batch axis from the same width's measured batches (linear between the two
    nearest, the nearest one outside them), as the profile's piecewise-linear interpolation would; each filled
    row says so (`filled`).
@@ -52,6 +54,9 @@ CONFIG_METHODS = {  # bench config -> simulator method
     "ngram8": "sglang-ngram:d=8",  # SGLang's NGRAM with 8-token trees
 }
 SWEEP_CONFIG = "adaptive_sweep"
+# configs that verify one fixed width every step (SGLang's NGRAM pads its tree to its draft-token count): their c1
+# runs' scheduler periods are measured step costs at batch 1 and that width
+FIXED_WIDTH_CONFIGS = {"ngram": 12, "ngram8": 8}
 
 
 # ------------------------------------------------------------------------------------------------- input
@@ -158,8 +163,11 @@ def _fill_by_width_ratio(b: int, w: int, cells: dict, batches: list, widths: lis
 
 
 def fit_profile(bench: dict, sweep_config: str = SWEEP_CONFIG, min_samples: int = 1,
-                name: str = "server-fit") -> tuple[dict, list[str]]:
-    """The cost profile (calibration rows) from the plain config's periods and the sweep's durations; and notes."""
+                name: str = "server-fit", fixed_width: dict | None = None) -> tuple[dict, list[str]]:
+    """The cost profile (calibration rows) from the plain config's periods, the sweep's durations and the c1 periods
+    of configs that verify a fixed width every step (``fixed_width``, default `FIXED_WIDTH_CONFIGS`; {} for none);
+    and notes."""
+    fixed_width = FIXED_WIDTH_CONFIGS if fixed_width is None else fixed_width
     notes: list[str] = []
     plain = bench.get("plain")
     if plain is None:
@@ -207,6 +215,13 @@ def fit_profile(bench: dict, sweep_config: str = SWEEP_CONFIG, min_samples: int 
                 continue
             target = sweep_w1 if w == 1 else verify
             _merge(target, b if w == 1 else (b, w), n, float(row["mean_ms"]), f"{sweep_config} {key} n={n}")
+    for config, w in fixed_width.items():
+        for key, run in ((bench.get(config) or {}).get("runs") or {}).items():
+            sched = run.get("scheduler") or {}
+            if parse_run(key)[1] != 1 or not sched.get("period_ms") or not sched.get("decode_steps"):
+                continue  # batch 1 only: at c16 the batch of its steps is not known
+            _merge(verify, (1, w), float(sched["decode_steps"]), float(sched["period_ms"]),
+                   f"{config} {key} scheduler.period_ms (width {w} every step) n={sched['decode_steps']}")
     if not verify:
         raise ValueError(f"the {sweep_config!r} config has no controller durations at widths > 1 "
                          "(was NGRAMSPEC_PROFILE on?)")
@@ -250,11 +265,13 @@ def fit_profile(bench: dict, sweep_config: str = SWEEP_CONFIG, min_samples: int 
         "name": name,
         "description": (f"SGLang server step periods per (batch, width): width 1 = plain config's mean period "
                         f"between decode launches, widths > 1 = {sweep_config} config's measured verify step "
-                        f"periods; {len(rows) - len(filled)} measured cells, {len(filled)} filled along batch"),
+                        f"periods and, at batch 1, the periods of configs verifying a fixed width "
+                        f"({', '.join(f'{c}: {w}' for c, w in fixed_width.items()) or 'none'}); "
+                        f"{len(rows) - len(filled)} measured cells, {len(filled)} filled"),
         "source": ("fitted by scripts/server_replay.py from sglang_engine_bench.py results: plain "
                    "runs[*].scheduler.period_ms (batch: profile.mean_batch, else plain decoding's mean batch of "
-                   f"the run's outputs) and {sweep_config} runs[*].profile.controller.durations mean_ms "
-                   "(weighted by n over runs)"),
+                   f"the run's outputs), {sweep_config} runs[*].profile.controller.durations mean_ms "
+                   "(weighted by n over runs) and the fixed-width configs' c1 scheduler.period_ms"),
         "column": "graph_ms",
         "rows": rows,
     }
@@ -389,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", help="replay under this profile (built-in name or FILE.json) instead of the fitted one")
     p.add_argument("--sweep-config", default=SWEEP_CONFIG, help="config whose durations give widths > 1")
     p.add_argument("--min-samples", type=int, default=1, help="leave out duration cells with fewer samples")
+    p.add_argument("--no-fixed-width", action="store_true",
+                   help="fit widths > 1 from the sweep config alone (not from the NGRAM configs' c1 periods)")
     p.add_argument("--method", action="append", default=[], metavar="CONFIG=SPEC",
                    help="replay config CONFIG with simulator method SPEC (adds to or replaces the defaults: "
                         + ", ".join(f"{k}={v}" for k, v in CONFIG_METHODS.items()) + ")")
@@ -408,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("the bench files have no 'plain' config with runs")
         notes: list[str] = []
         profile_data, fit_notes = fit_profile(bench, a.sweep_config, a.min_samples,
-                                              name=Path(a.fit_profile).stem if a.fit_profile else "server-fit")
+                                              name=Path(a.fit_profile).stem if a.fit_profile else "server-fit",
+                                              fixed_width={} if a.no_fixed_width else None)
         notes += fit_notes
         if a.fit_profile:
             Path(a.fit_profile).write_text(json.dumps(profile_data, indent=1))

@@ -7,6 +7,8 @@
 #   bash scripts/sglang_gpu_runs.sh dense8b SMOLLM2 [configs]  # SmolLM2 zero-padded to 7.48B: real text, 8B step cost
 #   bash scripts/sglang_gpu_runs.sh moe SMOLLM2 [configs]      # SmolLM2 as a 16-expert top-2 Mixtral (40 GB, sparse
 #                                                   # file): a verify reads more experts the wider it is
+#   bash scripts/sglang_gpu_runs.sh moe64 SMOLLM2 [configs]    # SmolLM2 as a 64-expert top-8 Mixtral (60 GB, sparse
+#                                                   # file): a verify costs 2.6-3x a decode step at batch 1
 #   (SMOLLM2: SmolLM2-135M-Instruct as a float16 Hugging Face folder; the padded model is built once beside it, see
 #    scripts/pad_model.py. SWEEP=1 first measures the step cost of every width: the adaptive_sweep config, short.)
 set -uo pipefail
@@ -59,13 +61,17 @@ PY
     $BENCH --model "$2" --dtype float16 --out "$OUT/smollm2.json" --logs "$OUT/logs_smollm2" --prompts-per-set 16 \
       --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive,adaptive_cw}" --timeout 400 --sched-profile
     ;;
-  dense8b|moe)
+  dense8b|moe|moe64)
+    if [ "$1" = moe64 ]; then
+      PAD_ARGS=${PAD_ARGS:-"--experts 64 --top-k 8 --intermediate 8448"}
+      EXTRA=${EXTRA:-'{"mem_fraction_static": 0.7}'}  # 60 GB of weights: the default 0.5 leaves too little KV cache
+    fi
     # EXTRA: a JSON object of more sglang.Engine arguments (e.g. '{"mem_fraction_static": 0.85}' for an 80 GB model)
     # PAD_ARGS: sizes for scripts/pad_model.py (e.g. PAD_ARGS="--top-k 1 --intermediate 45056"), one model folder each
     M=${PADDED:-$(dirname "$2")/smollm2-$1$(echo "${PAD_ARGS:-}" | tr -dc 'a-z0-9')}
     if [ ! -f "$M/model.safetensors" ]; then
       # shellcheck disable=SC2086
-      python3 scripts/pad_model.py "$([ "$1" = moe ] && echo moe || echo dense)" "$2" "$M" ${PAD_ARGS:-} \
+      python3 scripts/pad_model.py "$([ "$1" = dense8b ] && echo dense || echo moe)" "$2" "$M" ${PAD_ARGS:-} \
         | tee "$OUT/$1${TAG:-}_build.json"
     fi
     if [ "${SWEEP:-0}" = 1 ]; then
@@ -77,5 +83,5 @@ PY
       --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,adaptive,ngram8,ngram}" --timeout 420 --sched-profile \
       ${EXTRA:+--extra "$EXTRA"}
     ;;
-  *) echo "usage: $0 tiny | smollm2 MODEL_DIR [configs] | dense8b|moe SMOLLM2_DIR [configs] | dummy8b" >&2; exit 2 ;;
+  *) echo "usage: $0 tiny | smollm2 MODEL_DIR [configs] | dense8b|moe|moe64 SMOLLM2_DIR [configs] | dummy8b" >&2; exit 2 ;;
 esac

@@ -108,6 +108,26 @@ def test_fitted_profile_loads_and_keeps_the_measured_costs(sr, tmp_path):
     assert any("filled" in n for n in notes)
 
 
+def test_fixed_width_configs_measure_their_width_at_batch_1(sr, tmp_path):
+    """SGLang's NGRAM verifies 12 tokens every step: its c1 scheduler periods are measured cells at (1, 12), merged
+    with the sweep's by sample count; its c16 periods (batch unknown) and --no-fixed-width leave the profile alone."""
+    main, second = write_bench(tmp_path)
+    bench = sr.load_bench([str(main), str(second)])
+    before = {(r["B"], r["k"]): r for r in sr.fit_profile(bench)[0]["rows"]}
+    ngram = bench["ngram"]["runs"]
+    for key in RUNS:
+        ngram[key]["scheduler"] = {"decode_steps": 30, "period_ms": 40.0}
+    sweep_n = sum(10 for k in RUNS if k.endswith("c1"))  # the sweep's (1, 12) samples
+    rows = {(r["B"], r["k"]): r for r in sr.fit_profile(bench)[0]["rows"]}
+    expect = (sweep_n * cost(1, 12) + 2 * 30 * 40.0) / (sweep_n + 60)
+    assert rows[(1, 12)]["graph_ms"] == pytest.approx(expect, abs=1e-3)
+    assert "ngram copy/c1 scheduler.period_ms" in rows[(1, 12)]["source"]
+    assert rows[(16, 12)]["graph_ms"] == before[(16, 12)]["graph_ms"]  # c16 periods not used
+    assert rows[(1, 8)]["graph_ms"] == before[(1, 8)]["graph_ms"]  # no ngram8 config in this bench
+    off = {(r["B"], r["k"]): r for r in sr.fit_profile(bench, fixed_width={})[0]["rows"]}
+    assert off[(1, 12)]["graph_ms"] == before[(1, 12)]["graph_ms"]
+
+
 def test_replay_rows(sr, tmp_path):
     main, second = write_bench(tmp_path)
     bench = sr.load_bench([str(main), str(second)])
