@@ -87,8 +87,10 @@ class ReferenceCostModel:
                 (w0, w1) = side
                 c0, c1 = self.estimate(batch, w0), self.estimate(batch, w1)
                 slope = max(0.0, (c1 - c0) / (w1 - w0))
-                anchor, c_anchor = (w1, c1) if lo else (w0, c0)
-                return max(1e-9, c_anchor + slope * (width - anchor))
+                if lo:
+                    return max(1e-9, c1 + slope * (width - w1))
+                # below the measured widths: at most the prior's shape scaled from the nearest one
+                return max(1e-9, min(c0 + slope * (width - w0), self.prior(batch, width) * c0 / self.prior(batch, w0)))
             if side:
                 w = side[0]
                 return self.prior(batch, width) * self.estimate(batch, w) / self.prior(batch, w)

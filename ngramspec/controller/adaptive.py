@@ -30,12 +30,13 @@ drafts within a few steps.
 (batch size, width) whose updates are clipped to a factor ``clip`` of the current estimate (a GC pause or a
 one-off stall moves it by a bounded share, not by 60x); an unmeasured batch size borrows the nearest measured
 one of the same width. Unmeasured widths are interpolated between measured widths, extrapolated along the
-measured slope, or (with one measured width) taken from a prior's shape (a calibration file, or a conservative
-default) scaled by what was measured; and a few are tried, in a small bounded share of steps, so a wrong prior
-is corrected. A width whose measurement near this batch size is older than ``stale_after`` reported steps, is
-more than 1.5x what the other widths imply for it, and would win at that, is re-measured (at most once per
-``stale_after`` steps; its stale average is then replaced, not clipped): a width once measured during a stall
-is not banned for good. The controller is never told the true profile.
+measured slope (below the measured widths: at most the prior's shape scaled from the nearest one, so wide widths
+measured cheap never make narrow ones look dear), or (with one measured width) taken from a prior's shape (a
+calibration file, or a conservative default) scaled by what was measured; and a few are tried, in a small
+bounded share of steps, so a wrong prior is corrected. A width whose measurement near this batch size is older than
+``stale_after`` reported steps, is more than 1.5x what the other widths imply for it, and would win at that, is
+re-measured (at most once per ``stale_after`` steps; its stale average is then replaced, not clipped): a width
+once measured during a stall is not banned for good. The controller is never told the true profile.
 
 **Host cost**. All per-step work runs in numba kernels over flat arrays, passed as bundles (named tuples of
 arrays: ``calibration.Calibration``, ``calibration.Pending``, ``cost.CostState``, ``cost.CostRow``,
