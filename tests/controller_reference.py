@@ -89,8 +89,10 @@ class ReferenceCostModel:
                 slope = max(0.0, (c1 - c0) / (w1 - w0))
                 if lo:
                     return max(1e-9, c1 + slope * (width - w1))
-                # below the measured widths: at most the prior's shape scaled from the nearest one
-                return max(1e-9, min(c0 + slope * (width - w0), self.prior(batch, width) * c0 / self.prior(batch, w0)))
+                if c1 >= c0:
+                    return max(1e-9, c0 + slope * (width - w0))
+                # below two widths whose wider one came out cheaper: the nearest scales the prior's shape
+                return self.prior(batch, width) * c0 / self.prior(batch, w0)
             if side:
                 w = side[0]
                 return self.prior(batch, width) * self.estimate(batch, w) / self.prior(batch, w)

@@ -30,8 +30,8 @@ drafts within a few steps.
 (batch size, width) whose updates are clipped to a factor ``clip`` of the current estimate (a GC pause or a
 one-off stall moves it by a bounded share, not by 60x); an unmeasured batch size borrows the nearest measured
 one of the same width. Unmeasured widths are interpolated between measured widths, extrapolated along the
-measured slope (below the measured widths: at most the prior's shape scaled from the nearest one, so wide widths
-measured cheap never make narrow ones look dear), or (with one measured width) taken from a prior's shape (a
+measured slope (below two measured widths whose wider one came out cheaper, from the nearest one and the prior's
+shape instead: a downhill pair is noise), or (with one measured width) taken from a prior's shape (a
 calibration file, or a conservative default) scaled by what was measured; and a few are tried, in a small
 bounded share of steps, so a wrong prior is corrected. A width whose measurement near this batch size is older than
 ``stale_after`` reported steps, is more than 1.5x what the other widths imply for it, and would win at that, is

@@ -304,9 +304,11 @@ def _cost_row(s, B, widths, exclude, out, direct):
                 slope = max(0.0, (c1 - c0) / (widths[w1] - widths[w0]))
                 if lo >= 0:
                     out[wi] = max(1e-9, c1 + slope * (w - widths[w1]))
-                else:  # below: no dearer than the prior's shape from the nearest measured width, so measuring wide
-                    # widths cheaper than the prior said never makes a narrower one look dearer than it did
-                    out[wi] = max(1e-9, min(c0 + slope * (w - widths[w0]), prior[B, wi] * c0 / prior[B, w0]))
+                elif c1 >= c0:
+                    out[wi] = max(1e-9, c0 + slope * (w - widths[w0]))
+                else:  # below two measured widths the wider of which came out cheaper: their slope says nothing
+                    # (noise), so the nearest one scales the prior's shape, as with one measured width
+                    out[wi] = prior[B, wi] * c0 / prior[B, w0]
                 continue
             side = lo if lo >= 0 else hi
             if side >= 0:
