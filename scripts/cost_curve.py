@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from server_replay import FIXED_WIDTH_CONFIGS  # noqa: E402  (SGLang's NGRAM configs and the width each verifies)
+
 SEED = {"decode_ms": 12.2, "verify_base_ms": 22.5, "verify_per_token_ms": 2.5}
-FIXED_WIDTH_CONFIGS = {"ngram": 12, "ngram8": 8}  # SGLang's NGRAM pads every verify to its draft-token count
 
 
 def _durations(result: dict) -> dict[tuple[int, int], tuple[int, float]]:

@@ -83,16 +83,14 @@ class ReferenceCostModel:
                 t = (width - lo[-1]) / (hi[0] - lo[-1])
                 return self.prior(batch, width) * ((1 - t) * r_lo + t * r_hi)
             side = lo[-2:] if lo else hi[:2]
-            if len(side) == 2:  # outside the measured range: extend the measured slope (never downhill)
+            # outside the measured range: extend the measured slope (never downhill); below a pair whose wider
+            # width came out cheaper the slope is noise, and the nearest width scales the prior's shape (below)
+            if len(side) == 2 and (lo or self.estimate(batch, side[1]) >= self.estimate(batch, side[0])):
                 (w0, w1) = side
                 c0, c1 = self.estimate(batch, w0), self.estimate(batch, w1)
                 slope = max(0.0, (c1 - c0) / (w1 - w0))
-                if lo:
-                    return max(1e-9, c1 + slope * (width - w1))
-                if c1 >= c0:
-                    return max(1e-9, c0 + slope * (width - w0))
-                # below two widths whose wider one came out cheaper: the nearest scales the prior's shape
-                return self.prior(batch, width) * c0 / self.prior(batch, w0)
+                anchor, c_anchor = (w1, c1) if lo else (w0, c0)
+                return max(1e-9, c_anchor + slope * (width - anchor))
             if side:
                 w = side[0]
                 return self.prior(batch, width) * self.estimate(batch, w) / self.prior(batch, w)

@@ -1,21 +1,14 @@
 """scripts/cost_curve.py: the step cost by width from a bench result, NGRAM's fixed widths included at batch 1."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from script_module import load_script
 from test_server_replay import cost, synthetic_bench
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cost_curve.py"
 
 
 @pytest.fixture(scope="module")
 def cc():
-    spec = importlib.util.spec_from_file_location("cost_curve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("cost_curve")
 
 
 def test_widths_from_a_config_and_from_ngram_periods(cc):

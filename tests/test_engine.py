@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
 from engine_oracle import OracleCache  # noqa: E402
+from script_module import load_script  # noqa: E402
 
 from ngramspec import NgramCache  # noqa: E402
 from ngramspec.engine.decode import FixedPolicy, SpecDecoder  # noqa: E402
@@ -191,17 +192,6 @@ def test_demo_runs_and_reports_identical_outputs(model_and_tokenizer, tmp_path, 
     assert len(records) == 1 and 0 < len(records[0]["output"]) <= 24
 
 
-def _script(name):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_recorded_topk_trace_replays_with_recycling(model_and_tokenizer, tmp_path):
     """scripts/record_topk.py writes a trace whose top-k the simulator's recycling methods replay."""
@@ -210,7 +200,7 @@ def test_recorded_topk_trace_replays_with_recycling(model_and_tokenizer, tmp_pat
     from ngramspec.sim.traces import load_trace
 
     out = tmp_path / "free.jsonl.gz"
-    assert _script("record_topk").main(["--out", str(out), "--set", "free", "--prompts", "2",
+    assert load_script("record_topk").main(["--out", str(out), "--set", "free", "--prompts", "2",
                                         "--max-new-tokens", "16", "--topk", "4"]) == 0
     trace = load_trace(out)
     for r in trace.requests:
@@ -222,7 +212,7 @@ def test_recorded_topk_trace_replays_with_recycling(model_and_tokenizer, tmp_pat
 @pytest.mark.slow
 def test_engine_recycling_script_reports_lossless_rows(model_and_tokenizer, tmp_path):
     out = tmp_path / "rows.json"
-    assert _script("engine_recycling").main(["--sets", "free", "--prompts", "2", "--max-new-tokens", "32",
+    assert load_script("engine_recycling").main(["--sets", "free", "--prompts", "2", "--max-new-tokens", "32",
                                              "--k", "8", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["config"] for r in rows] == ["ngram", "ngram+recycle", "recycle"]

@@ -6,25 +6,20 @@ source's. The MoE check also shows the routing really spreads tokens over the ex
 of them), and a control with one expert's weights changed must differ (the test can fail)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import numpy as np
 import pytest
+from script_module import load_script
 
 torch = pytest.importorskip("torch", reason="torch is missing: pip install '.[engine]'")
 transformers = pytest.importorskip("transformers", reason="transformers is missing: pip install '.[engine]'")
 pytest.importorskip("safetensors", reason="safetensors is missing: pip install '.[engine]'")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _pad_module():
-    spec = importlib.util.spec_from_file_location("pad_model", os.path.join(ROOT, "scripts", "pad_model.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("pad_model")
 
 
 @pytest.fixture(scope="module")

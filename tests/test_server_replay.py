@@ -1,27 +1,23 @@
 """scripts/server_replay.py on a small synthetic sglang_engine_bench.py result: the fitted profile, the replay."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+from script_module import load_script
 
 from ngramspec.sim.profiles import get_profile
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "server_replay.py"
 RUNS = ("copy/c1", "free/c1", "copy/c16", "free/c16")
 WIDTHS = (2, 3, 4, 6, 8, 12, 16)
 
 
 @pytest.fixture(scope="module")
 def sr():
-    spec = importlib.util.spec_from_file_location("server_replay", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("server_replay")
 
 
 def cost(batch: int, width: int) -> float:

@@ -5,7 +5,6 @@ HTTP server on 127.0.0.1 (this file, run as `--stub-server PORT`; `--stub-bench 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -18,16 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from script_module import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------------------------------------------- the stubs
@@ -204,12 +198,12 @@ def run_stub_bench(port: int, num: int, out_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def sc():
-    return _load("sglang_sampling_check")
+    return load_script("sglang_sampling_check")
 
 
 @pytest.fixture(scope="module")
 def soak():
-    return _load("sglang_soak")
+    return load_script("sglang_soak")
 
 
 # chi2.sf(x, df) from scipy 1.17.1

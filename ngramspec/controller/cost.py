@@ -294,7 +294,9 @@ def _cost_row(s, B, widths, exclude, out, direct):
                 t = (w - widths[lo]) / (widths[hi] - widths[lo])
                 out[wi] = prior[B, wi] * ((1 - t) * r_lo + t * r_hi)
                 continue
-            if lo >= 0 and lo2 >= 0 or lo < 0 and hi2 >= 0:  # outside: extend the measured slope (never downhill)
+            # outside: extend the measured slope (never downhill); below a pair whose wider width came out cheaper
+            # the slope is noise, and the nearest width scales the prior's shape (the one-width case below)
+            if lo >= 0 and lo2 >= 0 or lo < 0 and hi2 >= 0 and direct[hi2] >= direct[hi]:
                 if lo >= 0:
                     w0, w1 = lo2, lo
                 else:
@@ -304,11 +306,8 @@ def _cost_row(s, B, widths, exclude, out, direct):
                 slope = max(0.0, (c1 - c0) / (widths[w1] - widths[w0]))
                 if lo >= 0:
                     out[wi] = max(1e-9, c1 + slope * (w - widths[w1]))
-                elif c1 >= c0:
+                else:
                     out[wi] = max(1e-9, c0 + slope * (w - widths[w0]))
-                else:  # below two measured widths the wider of which came out cheaper: their slope says nothing
-                    # (noise), so the nearest one scales the prior's shape, as with one measured width
-                    out[wi] = prior[B, wi] * c0 / prior[B, w0]
                 continue
             side = lo if lo >= 0 else hi
             if side >= 0:
