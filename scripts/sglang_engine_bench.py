@@ -145,6 +145,10 @@ CONFIGS = {
     # geometric-mean speed): their harmonic-mean speed, or the slowest request's (a closed batch ends with its last)
     "adaptive_dhm": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"drain": "hmean"}}),
     "adaptive_dmin": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"drain": "min"}}),
+    # a step that waits for the previous step's tokens prepares its verify (batch, metadata, graph inputs) first
+    "adaptive_pp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": True}),
+    "adaptive_pp_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": True,
+                                                                                    "plain_forwards": 1}),
 }
 
 

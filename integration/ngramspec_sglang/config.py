@@ -57,6 +57,11 @@ ADAPTIVE_CONFIG_KEYS = {
     "prefetch": "true: a step that must wait for the previous step's tokens first runs the drafting code on what "
                 "the host already holds (changing nothing), so that its real drafting after the wait finds the "
                 "CPU caches warm; pays only where that wait is long. Default false",
+    "preplan": "true: a step that must wait for the previous step's tokens prepares its verify forward before "
+               "the wait (batch, attention metadata and CUDA graph inputs at the width of the last drafting "
+               "step), so that only drafting and the token copy stand between the previous step's end and the "
+               "next forward; a plan at another width is fitted to the prepared one (drafts cut, or the width "
+               "grown up to 2x) or, further off, runs unprepared. Default false",
     "width_cycle": "diagnostic: verify at these widths in turn, one step each, drafting what fits (a sweep of "
                    "the step cost by width: the NGRAMSPEC_PROFILE durations); replaces the controller",
 }
@@ -79,6 +84,7 @@ class AdaptiveConfig:
     plain_forwards: int | str | None = None  # None / "auto": up to DEFAULT_PLAIN_FORWARDS where measured to pay
     plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
     prefetch: bool = False
+    preplan: bool = False
     width_cycle: tuple[int, ...] | None = None
     plain_forwards_auto: bool = field(default=False, init=False)
 
@@ -102,6 +108,8 @@ class AdaptiveConfig:
             raise ValueError(f"charge_waits_to_drafts must be true or false, got {self.charge_waits_to_drafts!r}")
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"prefetch must be true or false, got {self.prefetch!r}")
+        if not isinstance(self.preplan, bool):
+            raise ValueError(f"preplan must be true or false, got {self.preplan!r}")
         if not isinstance(self.tree, bool):
             raise ValueError(f"tree must be true or false, got {self.tree!r}")
         if not isinstance(self.controller, Mapping):
@@ -204,5 +212,6 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         plain_forwards=data.get("plain_forwards"),
         plain_forwards_max_batch=data.get("plain_forwards_max_batch", DEFAULT_PLAIN_FORWARDS_MAX_BATCH),
         prefetch=data.get("prefetch", AdaptiveConfig.prefetch),
+        preplan=data.get("preplan", AdaptiveConfig.preplan),
         width_cycle=data.get("width_cycle"),
     )

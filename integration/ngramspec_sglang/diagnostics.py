@@ -30,6 +30,9 @@ class HostProfile:
         self.controller = None
         self.batches: set = set()
         self.forwards_summary = None  # () -> the "auto" plain-forwards choice per batch size, or None
+        # verifies prepared before the wait (`preplan`): "used" (at the plan's own width), "fitted" (the plan laid out
+        # at the prepared width), "dropped" (the plan ran otherwise), "unavailable" (nothing could be prepared)
+        self.preplan: dict[str, int] = {}
         # the device's clock per step (CUDA events, `device_marks`): "width/batch" -> [steps, idle before the step,
         # its work before the forward call, the forward call, after it; steps whose idle gap was measured]
         self.device: dict[str, list] = {}
@@ -79,6 +82,9 @@ class HostProfile:
             if prev is not None:
                 row[1] += prev.elapsed_time(start) / 1e3
                 row[5] += 1
+
+    def count_preplan(self, outcome: str) -> None:
+        self.preplan[outcome] = self.preplan.get(outcome, 0) + 1
 
     def add_duration(self, width: int, batch_size: int, seconds: float) -> None:
         row = self.durations.setdefault(f"{width}/{batch_size}", [0, 0.0, float("inf"), 0.0])
@@ -139,6 +145,7 @@ class HostProfile:
                         "expected_tokens": self.expected[1], "expected_tokens_drafting": self.expected[2],
                         "durations": self.durations, "cost_estimates_ms": costs,
                         "plain_forwards": self.forwards_summary() if self.forwards_summary is not None else None,
+                        "preplan": self.preplan,
                         # running sums in seconds (readers difference two snapshots)
                         "device": {k: {"steps": r[0], "idle_before_s": r[1], "idle_measured": r[5], "prepare_s": r[2],
                                        "forward_s": r[3], "after_s": r[4]} for k, r in self.device.items()}}

@@ -206,6 +206,7 @@ class DraftPlanner:
         self._last: dict[Hashable, tuple[int, int]] = {}  # rid -> (committed length at planning, drafted)
         self._local_durations: list[DurationSample] = []
         self._steps = 0
+        self.fitted = False  # the last plan was laid out at a prepared width (`plan`'s fit_width), not its own
         self._wait_ms: dict[int, float] = {}  # batch size -> what a plain step after a drafting step costs extra
         self._wait_any: float | None = None  # the same over every batch size
         self._root_layouts: dict[int, tuple] = {}  # batch size -> `_root_rows`
@@ -215,11 +216,14 @@ class DraftPlanner:
                          if config.plain_forwards_auto and config.plain_forwards > 1 else None)
 
     # ----------------------------------------------------------------------------------- per step
-    def plan(self, views: Sequence[RequestView], waiting: int | None = None, after_draft: bool = False) -> StepPlan:
+    def plan(self, views: Sequence[RequestView], waiting: int | None = None, after_draft: bool = False,
+             fit_width: int | None = None) -> StepPlan:
         """Sync cache and controller with `views`, share timings, choose width and drafts. ``waiting``: the
         scheduler's queue length (identical on every TP rank), or None when unknown. ``after_draft``: the last
         decode step drafted; if not, and waits were recorded (`record_wait`), drafting now is charged the wait
-        its end will cost a plain step."""
+        its end will cost a plain step. ``fit_width``: a verify already prepared at that width; a drafting plan
+        whose width is within a factor 2 of it is laid out at that width instead (`fits_prepared`): drafts longer
+        than it allows are cut, shorter ones padded as in any batch."""
         if not views:
             raise ValueError("plan() needs at least one request")
         rids, totals, committed, accepted, lasts = self._collect(views)
@@ -253,7 +257,14 @@ class DraftPlanner:
                     ctl.observe_tokens(r, t)
             batch = self._propose(rids)
             decision = ctl.plan(rids, batch, waiting=waiting)
-        plan = self._build(views, batch, decision, lasts)
+        width = int(decision.width)
+        self.fitted = (fit_width is not None and fit_width != width and fits_prepared(width, fit_width)
+                       and self.layout is _default_layout)
+        if self.fitted:
+            lengths = np.minimum(np.asarray(decision.lengths, dtype=np.int64), fit_width - 1)
+            plan = self._build(views, batch, decision, lasts, width=fit_width, lengths=lengths)
+        else:
+            plan = self._build(views, batch, decision, lasts)
         last = self._last
         drafted = plan.drafted.tolist()
         for rid, total, k in zip(rids, totals, drafted):
@@ -416,11 +427,11 @@ class DraftPlanner:
             return DraftBatch(empty, empty.copy(), np.zeros(0, np.float32), np.zeros(0, np.int8), offsets, match)
         return DraftBatch(part.tokens, part.parents, part.probs, part.sources, offsets, match)
 
-    def _build(self, views, batch, decision, lasts) -> StepPlan:
-        width = int(decision.width)
+    def _build(self, views, batch, decision, lasts, width=None, lengths=None) -> StepPlan:
+        width = int(decision.width) if width is None else int(width)
         if width not in self.config.widths:
             raise ValueError(f"controller chose width {width}, not one of {self.config.widths}")
-        lengths = np.asarray(decision.lengths, dtype=np.int64)
+        lengths = np.asarray(decision.lengths if lengths is None else lengths, dtype=np.int64)
         if not isinstance(self.controller, AdaptiveController):  # its plans fit by construction
             if lengths.shape != (len(views),):
                 raise ValueError(f"controller returned {lengths.shape} draft lengths for {len(views)} requests")
@@ -454,6 +465,12 @@ class DraftPlanner:
                 self._root_layouts.clear()
             self._root_layouts[B] = rows
         return rows
+
+
+def fits_prepared(width: int, prepared: int) -> bool:
+    """Whether a plan that drafts at ``width`` runs at a verify width ``prepared`` before it was drafted
+    (`DraftPlanner.plan`'s ``fit_width``): both draft, and neither is more than twice the other."""
+    return width > 1 and prepared > 1 and prepared <= 2 * width and width <= 2 * prepared
 
 
 _NO_TOKENS: list = []

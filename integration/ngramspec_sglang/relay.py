@@ -13,13 +13,15 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from .drafting import RequestView
 
 
-def full_verify_mask(tree_mask: torch.Tensor, seq_lens, seq_lens_sum: int | None = None) -> torch.Tensor:
+def full_verify_mask(tree_mask: torch.Tensor, seq_lens, seq_lens_sum: int | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """NGRAM's flat verify mask: per request `[width, seq_len + width]` rows (all prefix tokens visible, then
     the tree mask), concatenated; what `NgramVerifyInput.generate_attn_arg_prefill` indexes. One scatter on
     the mask's device instead of NGRAMWorker's per-request concatenation.
 
     ``seq_lens`` may live on the mask's device (no host round trip: pass ``seq_lens_sum``, the host-known sum,
-    to size the output without a sync) or on the host."""
+    to size the output without a sync) or on the host. ``out``: write the mask into the first cells of this flat
+    tensor (bool or uint8; an attention backend's own mask buffer) and return that prefix."""
     if tree_mask.dim() != 3 or tree_mask.shape[1] != tree_mask.shape[2]:
         raise ValueError(f"tree_mask must be [bs, width, width], got shape {tuple(tree_mask.shape)}")
     bs, width = tree_mask.shape[0], tree_mask.shape[1]
@@ -36,8 +38,14 @@ def full_verify_mask(tree_mask: torch.Tensor, seq_lens, seq_lens_sum: int | None
     rows = torch.arange(width, dtype=torch.int64, device=device)
     index = (starts[:, None, None] + rows[None, :, None] * row_len[:, None, None] + seq[:, None, None]
              + rows[None, None, :])
-    out = torch.ones(total, dtype=torch.bool, device=device)
-    out[index.reshape(-1)] = tree_mask.to(torch.bool).reshape(-1)
+    if out is None:
+        out = torch.ones(total, dtype=torch.bool, device=device)
+    else:
+        if out.dim() != 1 or out.numel() < total:
+            raise ValueError(f"out must be a flat tensor of at least {total} cells, got shape {tuple(out.shape)}")
+        out = out[:total]
+        out.fill_(1)
+    out[index.reshape(-1)] = tree_mask.reshape(-1).to(out.dtype)
     return out
 
 
@@ -80,18 +88,20 @@ def relayed_last_tokens(spec_info, batch_size: int) -> torch.Tensor | None:
     return tokens.view(batch_size, stride).gather(1, last).view(batch_size).to(torch.int64)
 
 
-def request_views(batch, use_prev_tokens: bool, relayed_rids=None) -> list[RequestView]:
+def request_views(batch, use_prev_tokens: bool, relayed_rids=None, relay=None) -> list[RequestView]:
     """One view per request of a decode batch. Under overlap the previous step's tokens are still on the device:
     ``use_prev_tokens`` waits for them and adds them as pending; without it the views end one step behind.
 
     Only the previous forward's requests (``relayed_rids``, a set; None: every request) have tokens the scheduler
     has not processed yet. A request that joins them from another batch (the running requests when a prefill ran
-    in between) already has its relayed tokens in its output: its row of the relay repeats them."""
+    in between) already has its relayed tokens in its output: its row of the relay repeats them. ``relay``: the
+    relayed `NgramVerifyInput` when the batch no longer carries it (a verify prepared before the wait replaced it)."""
     bs = len(batch.reqs)
     pending = [()] * bs
     if use_prev_tokens:
-        tokens = batch.spec_info.accept_tokens.cpu().tolist()
-        lens = batch.spec_info.accept_lens.cpu().tolist()
+        relay = batch.spec_info if relay is None else relay
+        tokens = relay.accept_tokens.cpu().tolist()
+        lens = relay.accept_lens.cpu().tolist()
         stride = len(tokens) // bs
         pending = [tokens[i * stride: i * stride + lens[i]]
                    if relayed_rids is None or req.rid in relayed_rids else ()

@@ -114,6 +114,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._drafted_last = False  # the last decode step drafted: the next one waits for its tokens
         self._backoff = PlanBackoff()  # plan less often while plans draft nothing
         self._next_roots: tuple | None = None  # (request ids, their last committed tokens on the device)
+        self._last_width: int | None = None  # the width of the last drafting step (what `preplan` prepares)
         self._forward_s = 0.0
         self._verify_parts = (0.0, 0.0, 0.0)  # the last verify's host seconds: prepare, sample, after (profile)
         self._draft_log = DraftLog.from_env(self._tp_group.rank_in_group)
@@ -137,6 +138,19 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             broadcast=lambda obj: tp.broadcast_object(obj, src=0),
             max_requests=self._max_requests,
         )
+
+    def _maybe_preplan(self, batch: ScheduleBatch, width: int | None):
+        """With `preplan` on: the verify at ``width`` prepared before the wait (`_preplan_verify`), or None."""
+        if not self.config.preplan or _is_cpu or width is None or width <= 1:
+            return None
+        pre = self._preplan_verify(batch, width)
+        if pre is None:
+            self._count_preplan("unavailable")
+        return pre
+
+    def _count_preplan(self, outcome: str) -> None:
+        if self._profile is not None:
+            self._profile.count_preplan(outcome)
 
     def _dmark(self):
         """A device mark for the profile (None when it is off or there is no GPU)."""
@@ -174,6 +188,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._drafted_last = False
         self._backoff.reset()
         self._next_roots = None
+        self._last_width = None
 
     def add_external_corpus(self, corpus_id, token_chunks):
         raise NotImplementedError("NGRAM_ADAPTIVE has no external corpus; use --speculative-algorithm NGRAM")
@@ -239,23 +254,37 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
                                       self._forward_s, result.can_run_cuda_graph, forwards=forwards)
                 return result
         t_pre = time.perf_counter()
-        if relayed and not lagging and self.config.prefetch:
-            # the views wait for the previous step's tokens: meanwhile warm the CPU caches for planning on them
-            self.planner.prefetch(rids)
+        relay = batch.spec_info
+        pre = None
+        if relayed and not lagging:
+            # the views wait for the previous step's tokens: meanwhile prepare the verify, warm the CPU caches
+            pre = self._maybe_preplan(batch, self._last_width)
+            if self.config.prefetch:
+                self.planner.prefetch(rids)
         t_views = time.perf_counter()
-        views = request_views(batch, relayed and not lagging, relayed_rids)
+        views = request_views(batch, relayed and not lagging, relayed_rids, relay=relay)
         t_planner = time.perf_counter()
         # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
-        plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last)
+        plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last,
+                                 fit_width=pre.width if pre is not None else None)
         t_planned = time.perf_counter()
         if lagging and plan.width == 1:
             roots = self._last_tokens(batch, rids)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
+            pre = self._maybe_preplan(batch, plan.width) if relayed else None
             t1 = time.perf_counter()
-            views = request_views(batch, True, relayed_rids)
+            views = request_views(batch, True, relayed_rids, relay=relay)
             waited = time.perf_counter() - t1
-            plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last)
+            plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last,
+                                     fit_width=pre.width if pre is not None else None)
             lagging = False
+        if pre is not None:
+            if plan.width != pre.width:
+                self._drop_preplan(batch, pre)
+                pre = None
+                self._count_preplan("dropped")
+            else:
+                self._count_preplan("fitted" if self.planner.fitted else "used")
         t_plan = time.perf_counter()
         m0 = self._dmark()
         forwards = 1
@@ -270,9 +299,11 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         else:
             # the root is the last committed token, not yet in the KV cache
             seq_lens_host = [v.committed_len - 1 for v in views]
-            result = self._forward_verify(batch, plan, seq_lens_host, on_publish, pp_proxy_tensors)
+            result = self._forward_verify(batch, plan, seq_lens_host, on_publish, pp_proxy_tensors, pre=pre)
             self._next_roots = None
         self._drafted_last = plan.width > 1
+        if plan.width > 1:
+            self._last_width = plan.width
         self._backoff.planned(plan.width)
         self._timer.step_launched(plan.width, bs, forwards)
         if self._profile is not None:

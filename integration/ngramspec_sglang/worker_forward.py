@@ -9,6 +9,7 @@ largest width's output stride.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from sglang.kernels.ops.speculative.reconstruct_tree import reconstruct_indices_
 from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler import GenerationBatchResult
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.observability.req_time_stats import set_time_batch
 from sglang.srt.runtime_context import get_exec, get_spec
 from sglang.srt.speculative.eagle_utils import eagle_sample
@@ -36,6 +37,19 @@ from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last
 _is_cpu = is_cpu()
 
 
+@dataclass
+class PrePlan:
+    """A verify prepared before the wait (`WorkerForward._preplan_verify`): its width, the `ForwardBatch` the CUDA
+    graph runner loaded, the verify input and step buffers it reads, the backend's verify-mask buffer, and the
+    batch fields it replaced (forward mode, input ids, KV slots, the relayed spec info)."""
+    width: int
+    forward_batch: ForwardBatch
+    verify_input: NgramVerifyInput
+    buffers: tuple
+    mask_buffer: torch.Tensor
+    saved: tuple
+
+
 class WorkerForward:
     """`NgramAdaptiveWorker`'s forwards (a mixin placed before `NGRAMWorker`)."""
 
@@ -49,7 +63,11 @@ class WorkerForward:
 
     def _plain_decode_fits(self, batch: ScheduleBatch) -> bool:
         """Batches the plain decode path serves like SGLang's own decode; others take a 1-token verify."""
-        return self._plain_ok and not (
+        return self._plain_ok and self._simple_batch(batch)
+
+    def _simple_batch(self, batch: ScheduleBatch) -> bool:
+        """No grammar, logprobs, watermark or mamba state: a batch whose step needs nothing but its tokens."""
+        return not (
             batch.has_grammar
             or batch.return_logprob
             or (self.model_runner.watermark_state is not None and batch.sampling_info.has_watermark_candidates)
@@ -123,14 +141,19 @@ class WorkerForward:
         result.num_non_draft_tokens_per_req = forwards  # SGLang's accept rate counts drafts only
         return result
 
-    def _prepare_verify(self, batch: ScheduleBatch, plan, seq_lens_sum: int) -> None:
+    def _verify_buffers(self, bs: int, w: int) -> tuple:
+        """The step buffers a verify of ``bs`` requests at width ``w`` reads: draft tokens, positions, the three
+        retrieve arrays and the tree mask (views of the preallocated ones)."""
+        n = bs * w
+        return (self.draft_tokens[:n], self.positions[:n], self.retrieve_indexes[:n].view(bs, w),
+                self.retrieve_next_token[:n].view(bs, w), self.retrieve_next_sibling[:n].view(bs, w),
+                self.tree_mask[: n * w])
+
+    def _fill_drafts(self, batch: ScheduleBatch, plan, buffers: tuple, seq_lens_sum: int, mask_out=None):
+        """The plan's tokens and tree mask to the device, positions and retrieve arrays derived there, and the
+        full verify mask (into ``mask_out``, an attention backend's buffer, if given). Returns the full mask."""
         bs, w = len(batch.reqs), plan.width
-        draft_tokens = self.draft_tokens[: bs * w]
-        positions = self.positions[: bs * w]
-        retrieve_index = self.retrieve_indexes[: bs * w].view(bs, w)
-        retrieve_next_token = self.retrieve_next_token[: bs * w].view(bs, w)
-        retrieve_next_sibling = self.retrieve_next_sibling[: bs * w].view(bs, w)
-        tree_mask = self.tree_mask[: bs * w * w]
+        draft_tokens, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling, tree_mask = buffers
         mask_host = np.ascontiguousarray(plan.mask, dtype=np.bool_).reshape(-1)
         if not mask_host.flags.writeable:  # a width-1 plan's shared mask: torch wants arrays it may write
             mask_host = mask_host.copy()
@@ -144,9 +167,16 @@ class WorkerForward:
             tree_mask, batch.seq_lens, positions, retrieve_index, retrieve_next_token,
             retrieve_next_sibling, bs, w,
         )
-        custom_mask = tree_mask
-        if not _is_cpu:  # full mask [w, seq_len + w] per request, as NGRAMWorker (USE_FULL_MASK), built on device
-            custom_mask = full_verify_mask(tree_mask.view(bs, w, w), batch.seq_lens[:bs], seq_lens_sum)
+        if _is_cpu:
+            return tree_mask
+        # full mask [w, seq_len + w] per request, as NGRAMWorker (USE_FULL_MASK), built on device
+        return full_verify_mask(tree_mask.view(bs, w, w), batch.seq_lens[:bs], seq_lens_sum, out=mask_out)
+
+    def _verify_batch(self, batch: ScheduleBatch, w: int, buffers: tuple, custom_mask) -> NgramVerifyInput:
+        """Turn ``batch`` into a TARGET_VERIFY batch at width ``w`` over ``buffers``: inputs, KV slots (the
+        scheduler reserved them), the verify input it carries."""
+        bs = len(batch.reqs)
+        draft_tokens, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling, _ = buffers
         batch.forward_mode = ForwardMode.TARGET_VERIFY
         batch.input_ids = draft_tokens
         batch.out_cache_loc = assign_extend_cache_locs_func(
@@ -168,12 +198,74 @@ class WorkerForward:
             retrieve_next_sibling=retrieve_next_sibling,
             draft_token_num=w,
         )
+        return batch.spec_info
 
-    def _forward_verify(self, batch: ScheduleBatch, plan, seq_lens_host: list, on_publish, pp_proxy_tensors):
+    def _prepare_verify(self, batch: ScheduleBatch, plan, seq_lens_sum: int) -> None:
+        buffers = self._verify_buffers(len(batch.reqs), plan.width)
+        custom_mask = self._fill_drafts(batch, plan, buffers, seq_lens_sum)
+        self._verify_batch(batch, plan.width, buffers, custom_mask)
+
+    def _preplan_verify(self, batch: ScheduleBatch, width: int) -> PrePlan | None:
+        """Before the wait for the previous step's tokens: everything of a verify at ``width`` that does not depend
+        on them. The batch becomes a TARGET_VERIFY batch (its KV slots, positions and lengths are on the device
+        already), its `ForwardBatch` is built and the CUDA graph runner loads it (attention metadata, graph inputs),
+        as SGLang's EAGLE worker pre-plans its verify. The drafts, tree mask and positions written after the wait
+        (`_forward_verify` with the returned plan) reach the graph: input ids and positions are copied at replay,
+        the mask is written straight into the attention backend's verify-mask buffer, which the graph reads.
+        None (the batch untouched) where that does not hold: no CUDA graph at this width or batch size, a backend
+        without a verify-mask buffer, or a batch the plain path would not serve."""
+        state = self._width_states.get(width)
+        if state is None or state[1] is None or not self._simple_batch(batch):
+            return None
+        backend, runner = state
+        bs = len(batch.reqs)
+        mask = getattr(backend, "_verify_mask", None)
+        buf = getattr(mask, "buffer", None)
+        if buf is None or buf.dim() != 1 or not mask.fits(bs):
+            return None
+        saved = (batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info)
+        self._activate(state, width)
+        buffers = self._verify_buffers(bs, width)
+        with get_spec().override(speculative_num_draft_tokens=width):
+            # the graph runner copies the batch's mask into the buffer while loading: here the buffer onto itself
+            verify_input = self._verify_batch(batch, width, buffers, buf[: width * width])
+            forward_batch = ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=None,
+                                                  return_hidden_states_before_norm=False)
+            if not runner.can_run_graph(forward_batch):
+                batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
+                return None
+            runner.load_batch(forward_batch)
+            forward_batch.mark_forward_metadata_ready()
+        return PrePlan(width, forward_batch, verify_input, buffers, buf, saved)
+
+    def _drop_preplan(self, batch: ScheduleBatch, pre: PrePlan) -> None:
+        """Give the batch back as it was before `_preplan_verify` (the plan chose another way to run the step)."""
+        batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = pre.saved
+
+    def _forward_verify(self, batch: ScheduleBatch, plan, seq_lens_host: list, on_publish, pp_proxy_tensors,
+                        pre: PrePlan | None = None):
         """A verify at ``plan.width``. ``seq_lens_host``: each request's tokens in the KV cache, known on the host
         from the exact tokens this step waited for (lent to the batch for this forward if the relay left it
-        without host lengths)."""
-        bs, width = len(batch.reqs), plan.width
+        without host lengths). ``pre``: the verify `_preplan_verify` prepared at this width before the wait; only
+        the drafts, the mask and the positions are left to write, then the graph replays."""
+        width = plan.width
+        if pre is not None and pre.width != width:
+            raise ValueError(f"a plan at width {width} cannot run on a verify prepared at width {pre.width}")
+        t_in = time.perf_counter()
+        if pre is not None:
+            with get_spec().override(speculative_num_draft_tokens=width):
+                self._fill_drafts(batch, plan, pre.buffers, int(sum(seq_lens_host)), mask_out=pre.mask_buffer)
+                set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
+                verify_input: NgramVerifyInput = pre.verify_input
+                t = time.perf_counter()
+                self._fwd_marks[0] = self._dmark()
+                batch_result = self.target_worker.forward_batch_generation(
+                    None, forward_batch=pre.forward_batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
+                )
+                t_fwd = time.perf_counter()
+                self._fwd_marks[1] = self._dmark()
+                self._forward_s = t_fwd - t
+            return self._finish_verify(batch, plan, verify_input, batch_result, on_publish, t_in, t, t_fwd)
         self._activate(self._width_states[width], width)
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         if batch.seq_lens_cpu is None:
@@ -181,12 +273,11 @@ class WorkerForward:
             batch.seq_lens_sum = int(sum(seq_lens_host))
         elif batch.seq_lens_sum is None:
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        t_in = time.perf_counter()
         with get_spec().override(speculative_num_draft_tokens=width):
             try:
                 self._prepare_verify(batch, plan, batch.seq_lens_sum)
                 set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
-                verify_input: NgramVerifyInput = batch.spec_info
+                verify_input = batch.spec_info
                 t = time.perf_counter()
                 self._fwd_marks[0] = self._dmark()
                 batch_result = self.target_worker.forward_batch_generation(
@@ -197,6 +288,12 @@ class WorkerForward:
                 self._forward_s = t_fwd - t
             finally:
                 batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        return self._finish_verify(batch, plan, verify_input, batch_result, on_publish, t_in, t, t_fwd)
+
+    def _finish_verify(self, batch: ScheduleBatch, plan, verify_input, batch_result, on_publish, t_in, t, t_fwd):
+        """After a verify forward: tree sampling, KV moves of the accepted tokens, the result SGLang receives."""
+        bs, width = len(batch.reqs), plan.width
+        with get_spec().override(speculative_num_draft_tokens=width):
             logits_output, can_run_cuda_graph = batch_result.logits_output, batch_result.can_run_cuda_graph
             grammar_mask = None
             if batch.has_grammar:

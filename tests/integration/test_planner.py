@@ -443,3 +443,47 @@ def test_tensor_parallel_ranks_charge_the_same_waits():
         with pytest.raises(ValueError):
             ranks[0].record_wait(*bad)
         assert len(ranks[0]._local_durations) == n
+
+
+def test_fits_prepared_is_within_a_factor_two_and_both_drafting():
+    from ngramspec_sglang.drafting import fits_prepared
+
+    assert fits_prepared(8, 8) and fits_prepared(8, 4) and fits_prepared(8, 16) and fits_prepared(2, 4)
+    assert not fits_prepared(8, 2) and not fits_prepared(2, 8) and not fits_prepared(16, 4)
+    assert not fits_prepared(1, 2) and not fits_prepared(2, 1) and not fits_prepared(1, 1)
+
+
+def _fit_pair(width, fit_width, widths=(1, 2, 4, 8, 16)):
+    """The same two steps planned twice, the second once as chosen and once fitted to ``fit_width``."""
+    text = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3] * 3
+    plans = []
+    for fit in (None, fit_width):
+        p = planner(widths=widths, controller=RecordingController([width, width]))
+        p.plan([RequestView("r", text, []), RequestView("s", text[:20], [])])
+        plans.append((p, p.plan([RequestView("r", text, [3, 1]), RequestView("s", text[:20], [])],
+                                fit_width=fit)))
+    return plans
+
+
+@pytest.mark.parametrize("width, fit_width", [(8, 4), (8, 16), (4, 8), (16, 8)])
+def test_a_plan_fitted_to_a_prepared_width_keeps_its_best_drafts(width, fit_width):
+    """A verify prepared at another width before the wait takes the plan (`fit_width`): laid out at the prepared
+    width, drafts beyond it cut (their best-ranked prefix kept), shorter ones padded; what the planner remembers
+    drafting (for the acceptance it learns next step) is what was laid out."""
+    (p0, own), (p1, fitted) = _fit_pair(width, fit_width)
+    assert own.width == width and not p0.fitted
+    assert fitted.width == fit_width and p1.fitted
+    assert own.drafted.max() > 0
+    assert fitted.drafted.tolist() == np.minimum(own.drafted, fit_width - 1).tolist()
+    for i, k in enumerate(fitted.drafted.tolist()):
+        # the root and the kept drafts: the same tokens in the same places
+        assert fitted.tokens[i, : k + 1].tolist() == own.tokens[i, : k + 1].tolist()
+        assert fitted.mask[i, : k + 1, : k + 1].tolist() == own.mask[i, : k + 1, : k + 1].tolist()
+    assert [p1._last[r][1] for r in ("r", "s")] == fitted.drafted.tolist()
+
+
+@pytest.mark.parametrize("width, fit_width", [(8, 2), (2, 8), (1, 4)])
+def test_a_plan_far_from_the_prepared_width_keeps_its_own(width, fit_width):
+    (_, own), (p1, plan) = _fit_pair(width, fit_width)
+    assert plan.width == width and not p1.fitted
+    assert plan.tokens.tolist() == own.tokens.tolist() and plan.drafted.tolist() == own.drafted.tolist()

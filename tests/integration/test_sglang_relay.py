@@ -49,6 +49,9 @@ def test_relay_carries_each_steps_tokens_whatever_the_width(sglang_parts):
         future_map._resolve_spec_extras(batch)  # what the scheduler does before the next forward
         views = request_views(batch, use_prev_tokens=True)
         assert [list(v.pending) for v in views] == accepted
+        # a verify prepared before the wait replaces the batch's spec info: the relay is passed beside it
+        relay, batch.spec_info = batch.spec_info, SimpleNamespace(draft_token_num=width)
+        assert [list(v.pending) for v in request_views(batch, True, relay=relay)] == accepted
 
 
 def test_requests_that_join_after_a_prefill_do_not_count_their_relayed_tokens_twice(sglang_parts):
@@ -153,6 +156,25 @@ def test_full_verify_mask_sized_from_a_host_sum_without_reading_device_lengths()
     got = full_verify_mask(tree, seq, seq_lens_sum=4)
     assert torch.equal(got, full_verify_mask(tree, seq))
     assert got.numel() == 4 * 2 + 2 * 2 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8])
+def test_full_verify_mask_written_into_a_backends_buffer(dtype):
+    """`preplan` writes the mask into the attention backend's own buffer (uint8 in SGLang's Triton backend), larger
+    than the mask, over whatever the buffer held: the prefix equals the mask built alone, the rest is untouched."""
+    from ngramspec_sglang.relay import full_verify_mask
+
+    gen = torch.Generator().manual_seed(1)
+    tree = torch.rand((3, 5, 5), generator=gen) < 0.5
+    seq = torch.tensor([4, 0, 9])
+    want = full_verify_mask(tree, seq)
+    buf = torch.full((want.numel() + 17,), 7 if dtype == torch.uint8 else False, dtype=dtype)
+    got = full_verify_mask(tree, seq, seq_lens_sum=13, out=buf)
+    assert got.data_ptr() == buf.data_ptr() and got.numel() == want.numel()
+    assert torch.equal(buf[: want.numel()].to(torch.bool), want)
+    assert torch.equal(buf[want.numel():], torch.full((17,), 7 if dtype == torch.uint8 else False, dtype=dtype))
+    with pytest.raises(ValueError, match="at least"):
+        full_verify_mask(tree, seq, out=torch.zeros(want.numel() - 1, dtype=dtype))
 
 
 def test_relayed_last_tokens_reads_each_requests_last_accepted_token(sglang_parts):

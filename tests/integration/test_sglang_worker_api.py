@@ -116,6 +116,17 @@ def test_the_worker_modules_import_at_least_what_worker_py_imported():
      ["batch", "on_publish", "pp_proxy_tensors"]),
     ("sglang.srt.speculative.base_spec_worker", "BaseSpecWorker", "init_cuda_graphs", []),
     ("sglang.srt.runtime_context", "_ConfigBag", "override", []),
+    # the verify prepared before the wait (`preplan`): built, loaded by the graph runner, replayed without a batch
+    ("sglang.srt.managers.tp_worker", "TpModelWorker", "forward_batch_generation",
+     ["batch", "forward_batch", "pp_proxy_tensors", "is_verify"]),
+    ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch", "init_new",
+     ["batch", "model_runner", "capture_hidden_mode", "return_hidden_states_before_norm"]),
+    ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch", "mark_forward_metadata_ready", []),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner", "load_batch",
+     ["forward_batch"]),
+    ("sglang.srt.model_executor.runner.decode_cuda_graph_runner", "DecodeCudaGraphRunner", "can_run_graph",
+     ["forward_batch"]),
+    ("sglang.srt.layers.attention.verify_mask", "VerifyMask", "fits", ["bs"]),
 ])
 def test_methods_the_worker_calls_exist(module, cls, method, params):
     have = method_params(module, cls, method)
@@ -146,3 +157,20 @@ def test_result_and_verify_input_fields():
     params = inspect.signature(NgramVerifyInput.__init__).parameters
     assert {"draft_token", "custom_mask", "positions", "retrieve_index", "retrieve_next_token",
             "retrieve_next_sibling", "draft_token_num", "new_seq_lens", "accept_tokens", "accept_lens"} <= set(params)
+
+
+def test_a_prepared_verify_finds_the_mask_buffer_where_it_writes_the_mask():
+    """`preplan` writes the verify mask into the Triton backend's `_verify_mask.buffer` (a `VerifyMask`), which the
+    target-verify graph reads, and the graph runner copies the batch's own mask into that buffer while loading
+    (so the prepared batch hands it a slice of the buffer itself); the pre-planned load is skipped at replay
+    except for the input ids and positions, which it copies then."""
+    triton = module_file("sglang.srt.layers.attention.triton_backend").read_text()
+    assert "self._verify_mask = maybe_create_verify_mask(" in triton
+    assert "custom_mask[: spec_info.custom_mask.shape[0]] = spec_info.custom_mask" in triton
+    fields = {n.target.id for n in class_node("sglang.srt.layers.attention.verify_mask", "VerifyMask").body
+              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert {"buffer", "max_bs"} <= fields
+    runner = module_file("sglang.srt.model_executor.runner.decode_cuda_graph_runner").read_text()
+    assert "if not forward_batch.needs_forward_metadata_init():" in runner
+    assert "self.buffers.input_ids[: self.raw_num_token].copy_(forward_batch.input_ids)" in runner
+    assert "self.buffers.positions[: self.raw_num_token].copy_(forward_batch.positions)" in runner
