@@ -32,25 +32,39 @@ def verified(plan, upcoming) -> int:
     return 1 + len(accepted_path(plan.tokens[0, 1:1 + k], parents(plan.mask[0], k), upcoming))
 
 
-def replay(requests, plain_ms, verify_ms, lagged=True):
+def replay(requests, plain_ms, verify_ms, lagged=True, preplan=False, counts=None):
     """Serve `requests` (prompt, output) one at a time as the worker does; returns (tokens/s relative to plain,
-    share of steps that waited, share of steps that verified, the planner)."""
+    share of steps that waited, share of steps that verified, the planner). ``preplan``: as the worker's `preplan`
+    option, a step that waits prepares a verify first (at the last drafting step's width, or at the width the
+    plan on lagging tokens chose) and the plan is fitted to it (`fit_width`); ``counts`` (a dict) gets the
+    verify steps, the drafts verified and the tokens they committed, and how many plans were fitted."""
     planner = DraftPlanner(AdaptiveConfig(widths=(1, 2, 3, 4, 6, 8, 12, 16), capacity=1 << 20))
     time_ms = tokens = steps = waits = verifies = 0
     drafted_last = False
+    last_width = None
+    counts = {} if counts is None else counts
+    for key in ("verify_steps", "verify_tokens", "drafted", "fitted"):
+        counts.setdefault(key, 0)
     for rid, (prompt, truth) in enumerate(requests):
         output, pending = [], []  # pending: the last step's tokens, still on the device under overlap
         while len(output) + len(pending) < len(truth):
             behind = lagged and not drafted_last
-            plan = planner.plan([RequestView(rid, prompt, output, () if behind else pending)])
+            fit = last_width if preplan and not behind and drafted_last else None
+            plan = planner.plan([RequestView(rid, prompt, output, () if behind else pending)], fit_width=fit)
             if behind and plan.width > 1:  # drafting looks worth it: wait for exact tokens, plan again
-                plan = planner.plan([RequestView(rid, prompt, output, pending)])
+                fit = plan.width if preplan else None
+                plan = planner.plan([RequestView(rid, prompt, output, pending)], fit_width=fit)
                 behind = False
+            counts["fitted"] += planner.fitted
             waits += not behind
             output = output + list(pending)
             if plan.width > 1:
                 n, ms = verified(plan, truth[len(output):]), verify_ms(plan.width)
                 verifies += 1
+                counts["verify_steps"] += 1
+                counts["verify_tokens"] += n
+                counts["drafted"] += int(plan.drafted[0])
+                last_width = plan.width
             else:
                 n, ms = 1, plain_ms
             pending = truth[len(output):len(output) + n]
@@ -98,6 +112,26 @@ def test_planning_one_step_behind_loses_little_against_exact_tokens():
     behind, _, _, _ = replay(requests, 3.0, cost, lagged=True)
     exact, _, _, _ = replay(requests, 3.0, cost, lagged=False)
     assert behind > 1.0 and behind >= 0.95 * exact
+
+
+@pytest.mark.parametrize("trace", [TRACE, CHAT], ids=["agent", "chat"])
+def test_fitting_plans_to_a_prepared_verify_costs_little_acceptance(trace):
+    """`preplan` runs a plan within 2x of the prepared width at that width (drafts cut, or the width grown). On
+    real traces at an 8B-like cost (a drafting step 1.6-1.9x a plain one, the same clock for both runs, so only
+    acceptance differs): fitting happens, and tokens per verify step and overall speed stay within 5% of the
+    plans' own widths."""
+    if not trace.is_file():
+        pytest.skip(f"{trace} not present")
+    with gzip.open(trace, "rt") as f:
+        requests = [(r["prompt"], r["output"]) for r in map(json.loads, f)][:200]
+    cost = lambda w: 4.7 * (1.6 + 0.02 * w)  # noqa: E731
+    own_counts, fit_counts = {}, {}
+    own, _, _, _ = replay(requests, 4.7, cost, counts=own_counts)
+    fit, _, _, _ = replay(requests, 4.7, cost, preplan=True, counts=fit_counts)
+    assert own_counts["fitted"] == 0 and fit_counts["fitted"] > 0
+    per_step = [c["verify_tokens"] / max(1, c["verify_steps"]) for c in (own_counts, fit_counts)]
+    assert per_step[1] >= 0.95 * per_step[0]
+    assert fit >= 0.95 * own
 
 
 def serve_timed(requests, plain_ms, wait_ms, verify_ms, charge):
