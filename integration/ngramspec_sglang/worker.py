@@ -115,6 +115,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._backoff = PlanBackoff()  # plan less often while plans draft nothing
         self._next_roots: tuple | None = None  # (request ids, their last committed tokens on the device)
         self._last_width: int | None = None  # the width of the last drafting step (what `preplan` prepares)
+        self._preplan_failed = False  # preparing a verify raised once: `preplan` is off for this server
         self._forward_s = 0.0
         self._verify_parts = (0.0, 0.0, 0.0)  # the last verify's host seconds: prepare, sample, after (profile)
         self._draft_log = DraftLog.from_env(self._tp_group.rank_in_group)
@@ -141,9 +142,16 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
 
     def _maybe_preplan(self, batch: ScheduleBatch, width: int | None):
         """With `preplan` on: the verify at ``width`` prepared before the wait (`_preplan_verify`), or None."""
-        if not self.config.preplan or _is_cpu or width is None or width <= 1:
+        if not self.config.preplan or self._preplan_failed or _is_cpu or width is None or width <= 1:
             return None
-        pre = self._preplan_verify(batch, width)
+        saved = (batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info)
+        try:
+            pre = self._preplan_verify(batch, width)
+        except Exception:  # an SGLang the option does not fit: serve on without it, as if it were off
+            batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
+            self._preplan_failed = True
+            logger.exception("NGRAM_ADAPTIVE: preparing a verify before the wait failed; preplan is off from now")
+            return None
         if pre is None:
             self._count_preplan("unavailable")
         return pre
