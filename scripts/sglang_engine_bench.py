@@ -149,6 +149,11 @@ CONFIGS = {
     "adaptive_pp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": True}),
     "adaptive_pp_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": True,
                                                                                     "plain_forwards": 1}),
+    # every step verifies 16 tokens, so every step waits for the one before: the drafting step's period with and
+    # without the verify prepared before the wait (the profile's durations at width 16)
+    "adaptive_f16": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16}),
+    "adaptive_f16_pp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16,
+                                                                                    "preplan": True}),
 }
 
 
