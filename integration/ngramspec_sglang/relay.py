@@ -31,13 +31,8 @@ def full_verify_mask(tree_mask: torch.Tensor, seq_lens, seq_lens_sum: int | None
         raise ValueError(f"{bs} trees but {seq.numel()} sequence lengths")
     if seq_lens_sum is None:
         seq_lens_sum = int(seq.sum())
-    seq = seq.to(device=device, dtype=torch.int64, non_blocking=True)
-    row_len = seq + width
-    starts = torch.cumsum(row_len * width, 0) - row_len * width
     total = int(seq_lens_sum) * width + width * width * bs
-    rows = torch.arange(width, dtype=torch.int64, device=device)
-    index = (starts[:, None, None] + rows[None, :, None] * row_len[:, None, None] + seq[:, None, None]
-             + rows[None, None, :])
+    index = verify_mask_index(seq.to(device=device, non_blocking=True), width)
     if out is None:
         out = torch.ones(total, dtype=torch.bool, device=device)
     else:
@@ -45,8 +40,35 @@ def full_verify_mask(tree_mask: torch.Tensor, seq_lens, seq_lens_sum: int | None
             raise ValueError(f"out must be a flat tensor of at least {total} cells, got shape {tuple(out.shape)}")
         out = out[:total]
         out.fill_(1)
-    out[index.reshape(-1)] = tree_mask.reshape(-1).to(out.dtype)
+    out[index] = tree_mask.reshape(-1).to(out.dtype)
     return out
+
+
+def verify_mask_index(seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """The cells of the tree part of `full_verify_mask`'s layout, flat, in the tree masks' order: cell (i, r, c)
+    is request i's row r, column seq_len_i + c. Computed where ``seq_lens`` lives (no host round trip)."""
+    seq = seq_lens.reshape(-1).to(torch.int64)
+    row_len = seq + width
+    starts = torch.cumsum(row_len * width, 0) - row_len * width
+    rows = torch.arange(width, dtype=torch.int64, device=seq.device)
+    index = (starts[:, None, None] + rows[None, :, None] * row_len[:, None, None] + seq[:, None, None]
+             + rows[None, None, :])
+    return index.reshape(-1)
+
+
+def prefill_verify_mask(out: torch.Tensor, seq_lens: torch.Tensor, width: int, cells: int) -> torch.Tensor | None:
+    """Before the drafts are known: ones over the first ``cells`` of ``out`` (a bound on the mask's size: every
+    prefix column is visible) and the tree part's cells (`verify_mask_index`), to be written once the tree masks
+    are known (`write_tree_masks`). None (nothing written) where ``out`` is smaller than ``cells``."""
+    if out.dim() != 1 or out.numel() < cells:
+        return None
+    out[:cells].fill_(1)
+    return verify_mask_index(seq_lens, width)
+
+
+def write_tree_masks(out: torch.Tensor, index: torch.Tensor, tree_mask: torch.Tensor) -> None:
+    """The tree masks ``[bs, width, width]`` into the cells `prefill_verify_mask` left for them."""
+    out[index] = tree_mask.reshape(-1).to(out.dtype)
 
 
 def padded_rows(accept_tokens: torch.Tensor, stride: int, dtype: torch.dtype | None = None) -> torch.Tensor:

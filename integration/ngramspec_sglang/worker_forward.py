@@ -32,7 +32,14 @@ from sglang.srt.speculative.spec_utils import (
 )
 from sglang.srt.utils import is_cpu
 
-from .relay import full_verify_mask, next_draft_input, padded_rows, relayed_last_tokens
+from .relay import (
+    full_verify_mask,
+    next_draft_input,
+    padded_rows,
+    prefill_verify_mask,
+    relayed_last_tokens,
+    write_tree_masks,
+)
 
 _is_cpu = is_cpu()
 
@@ -40,14 +47,15 @@ _is_cpu = is_cpu()
 @dataclass
 class PrePlan:
     """A verify prepared before the wait (`WorkerForward._preplan_verify`): its width, the `ForwardBatch` the CUDA
-    graph runner loaded, the verify input and step buffers it reads, the backend's verify-mask buffer, and the
-    batch fields it replaced (forward mode, input ids, KV slots, the relayed spec info)."""
+    graph runner loaded, the verify input and step buffers it reads, the backend's verify-mask buffer, the batch
+    fields it replaced (forward mode, input ids, KV slots, the relayed spec info), and the mask's tree cells."""
     width: int
     forward_batch: ForwardBatch
     verify_input: NgramVerifyInput
     buffers: tuple
     mask_buffer: torch.Tensor
     saved: tuple
+    mask_index: torch.Tensor | None = None  # the tree cells of the mask buffer, its ones written (None: not yet)
 
 
 class WorkerForward:
@@ -149,9 +157,11 @@ class WorkerForward:
                 self.retrieve_next_token[:n].view(bs, w), self.retrieve_next_sibling[:n].view(bs, w),
                 self.tree_mask[: n * w])
 
-    def _fill_drafts(self, batch: ScheduleBatch, plan, buffers: tuple, seq_lens_sum: int, mask_out=None):
+    def _fill_drafts(self, batch: ScheduleBatch, plan, buffers: tuple, seq_lens_sum: int, mask_out=None,
+                     mask_index=None):
         """The plan's tokens and tree mask to the device, positions and retrieve arrays derived there, and the
-        full verify mask (into ``mask_out``, an attention backend's buffer, if given). Returns the full mask."""
+        full verify mask (into ``mask_out``, an attention backend's buffer, if given; with ``mask_index``, its
+        ones are there already and only the tree masks are written, `prefill_verify_mask`). Returns the mask."""
         bs, w = len(batch.reqs), plan.width
         draft_tokens, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling, tree_mask = buffers
         mask_host = np.ascontiguousarray(plan.mask, dtype=np.bool_).reshape(-1)
@@ -169,6 +179,9 @@ class WorkerForward:
         )
         if _is_cpu:
             return tree_mask
+        if mask_index is not None:
+            write_tree_masks(mask_out, mask_index, tree_mask)
+            return mask_out
         # full mask [w, seq_len + w] per request, as NGRAMWorker (USE_FULL_MASK), built on device
         return full_verify_mask(tree_mask.view(bs, w, w), batch.seq_lens[:bs], seq_lens_sum, out=mask_out)
 
@@ -236,7 +249,11 @@ class WorkerForward:
                 return None
             runner.load_batch(forward_batch)
             forward_batch.mark_forward_metadata_ready()
-        return PrePlan(width, forward_batch, verify_input, buffers, buf, saved)
+            # the mask's ones and the tree cells too: a bound on each request's KV length from the host's tokens
+            # (the previous step committed at most max_width more than the scheduler has processed)
+            bound = sum(len(req.origin_input_ids) + len(req.output_ids) for req in batch.reqs) + bs * self.max_width
+            mask_index = prefill_verify_mask(buf, batch.seq_lens[:bs], width, width * bound + width * width * bs)
+        return PrePlan(width, forward_batch, verify_input, buffers, buf, saved, mask_index)
 
     def _drop_preplan(self, batch: ScheduleBatch, pre: PrePlan) -> None:
         """Give the batch back as it was before `_preplan_verify` (the plan chose another way to run the step)."""
@@ -254,7 +271,8 @@ class WorkerForward:
         t_in = time.perf_counter()
         if pre is not None:
             with get_spec().override(speculative_num_draft_tokens=width):
-                self._fill_drafts(batch, plan, pre.buffers, int(sum(seq_lens_host)), mask_out=pre.mask_buffer)
+                self._fill_drafts(batch, plan, pre.buffers, int(sum(seq_lens_host)), mask_out=pre.mask_buffer,
+                                  mask_index=pre.mask_index)
                 set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
                 verify_input: NgramVerifyInput = pre.verify_input
                 t = time.perf_counter()

@@ -177,6 +177,27 @@ def test_full_verify_mask_written_into_a_backends_buffer(dtype):
         full_verify_mask(tree, seq, out=torch.zeros(want.numel() - 1, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8])
+def test_a_verify_mask_prefilled_before_the_drafts_equals_the_mask_built_after(dtype):
+    """`preplan` fills the mask's ones and finds the tree cells before the wait, from the device lengths and a
+    host bound on the size, then writes only the tree masks: the same mask as `full_verify_mask` builds at once,
+    over a buffer holding an older, larger mask (zeros at other places). A buffer smaller than the bound is left
+    alone (None)."""
+    from ngramspec_sglang.relay import full_verify_mask, prefill_verify_mask, write_tree_masks
+
+    gen = torch.Generator().manual_seed(2)
+    for bs, width in [(1, 2), (3, 4), (4, 16)]:
+        tree = torch.rand((bs, width, width), generator=gen) < 0.5
+        seq = torch.randint(0, 30, (bs,), generator=gen)
+        want = full_verify_mask(tree, seq)
+        buf = (torch.rand(want.numel() + 200, generator=gen) < 0.5).to(dtype)  # a stale mask's cells
+        bound = want.numel() + 50  # the host's bound: at least the real size
+        index = prefill_verify_mask(buf, seq, width, bound)
+        write_tree_masks(buf, index, tree)
+        assert torch.equal(buf[: want.numel()].to(torch.bool), want)
+        assert prefill_verify_mask(torch.zeros(bound - 1, dtype=dtype), seq, width, bound) is None
+
+
 def test_relayed_last_tokens_reads_each_requests_last_accepted_token(sglang_parts):
     from ngramspec_sglang.relay import relayed_last_tokens
 
