@@ -1,0 +1,388 @@
+"""NgramAdaptiveWorker's decode steps on CPU, around a scripted model: the worker's own control flow, with SGLang's
+GPU parts replaced (run in a subprocess by test_worker_scenario.py; prints one JSON line: a list of results).
+
+`ngramspec_sglang.worker` imports sglang modules that load `sgl_kernel`, a CUDA-only package: a stub stands in for
+it (any attribute is an inert object), so the modules import. The worker is built without `__init__` (no model,
+no graphs); what it reaches of SGLang at run time is replaced by fakes in its modules' namespaces:
+- the target worker: a "model" whose greedy next token at every position is known (`truth`); a DECODE forward
+  returns it for every request, a TARGET_VERIFY forward records what it read;
+- `eagle_sample`: greedy tree verification of the forward's draft tokens against `truth`, from the retrieve arrays
+  that the fake `reconstruct_indices_from_tree_mask_func` derived from the tree mask (positions too);
+- the CUDA graph runner of each width (`can_run_graph`, `load_batch`, counted) and its Triton-like backend's
+  verify-mask buffer; `ForwardBatch.init_new` (a record of the batch's tensors, by reference).
+The driver plays SGLang's overlap scheduler: the relay of each step's result becomes the next step's spec info
+and lengths, and a step's tokens reach the requests' outputs one step later.
+
+Checks (by the caller, from the JSON): every request's output equals `truth` (verification is exact whatever was
+drafted); with `preplan` the verify forwards it prepared read the tokens, positions and mask written after the wait
+(the full mask in the backend's buffer equals the one built at once), and the prepared verifies were used.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _Anything:
+    def __init__(self, name):
+        self._n = name
+
+    def __getattr__(self, k):
+        if k.startswith("__"):
+            raise AttributeError(k)
+        return _Anything(f"{self._n}.{k}")
+
+    def __call__(self, *a, **k):
+        return _Anything(f"{self._n}()")
+
+    def __iter__(self):
+        return iter(())
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Anything(f"{self.__name__}.{name}")
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name == "sgl_kernel" or name.startswith("sgl_kernel."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        m = _StubModule(spec.name)
+        m.__path__ = []
+        return m
+
+    def exec_module(self, module):
+        pass
+
+
+def import_worker():
+    sys.meta_path.insert(0, _StubFinder())
+    sys.path.insert(0, str(REPO / "integration"))
+    import ngramspec_sglang.worker as worker_mod
+    import ngramspec_sglang.worker_forward as forward_mod
+
+    return worker_mod, forward_mod
+
+
+def tree_links(mask: np.ndarray):
+    """First child and next sibling of every row of one request's ancestor mask (-1: none), and depths."""
+    from ngramspec.layout import mask_parents
+
+    w = mask.shape[0]
+    parents = mask_parents(mask)
+    first, sibling, last = [-1] * w, [-1] * w, {}
+    for j in range(1, w):
+        p = int(parents[j])
+        if p < 0:
+            continue
+        if first[p] < 0:
+            first[p] = j
+        else:
+            sibling[last[p]] = j
+        last[p] = j
+    depth = mask.sum(-1) - 1
+    return first, sibling, depth
+
+
+class Scripted:
+    """The model and SGLang's GPU parts, for one run."""
+
+    def __init__(self, truth: dict, prompts: dict):
+        self.truth, self.prompts = truth, prompts
+        self.rids: list = []
+        self.worker = None
+        self.loads = 0
+        self.verify_reads = []  # per verify forward: (prepared, tokens read, positions read)
+        self.mask_checks = []
+
+    # the request's tokens so far and its next true token at a KV position
+    def next_token(self, rid, pos):
+        seq = self.prompts[rid] + self.truth[rid]
+        return seq[pos + 1] if pos + 1 < len(seq) else 0
+
+    def reconstruct(self, tree_mask, seq_lens, positions, retrieve_index, retrieve_next_token,
+                    retrieve_next_sibling, bs, w):
+        masks = tree_mask.view(bs, w, w).numpy()
+        for i in range(bs):
+            first, sib, depth = tree_links(masks[i])
+            positions[i * w:(i + 1) * w] = torch.as_tensor(depth + int(seq_lens[i]))
+            retrieve_index[i] = torch.arange(i * w, (i + 1) * w)
+            retrieve_next_token[i] = torch.as_tensor(first)
+            retrieve_next_sibling[i] = torch.as_tensor(sib)
+
+    def eagle_sample(self, verify_input, batch, logits_output, grammar_mask, watermark_state=None):
+        bs, w = len(batch.reqs), verify_input.draft_token_num
+        tokens = verify_input.draft_token.view(bs, w)
+        predict = torch.zeros(bs * w, dtype=torch.int64)
+        lens, index = [], torch.zeros((bs, w), dtype=torch.int64)
+        for i, req in enumerate(batch.reqs):
+            pos0 = int(batch.seq_lens[i])  # the root's KV position
+            path, node = [0], 0
+            while True:
+                want = self.next_token(req.rid, pos0 + len(path) - 1)
+                predict[i * w + node] = want
+                child = int(verify_input.retrieve_next_token[i, node])
+                while child >= 0 and int(tokens[i, child]) != want:
+                    child = int(verify_input.retrieve_next_sibling[i, child])
+                if child < 0:
+                    break
+                path.append(child)
+                node = child
+            lens.append(len(path))
+            index[i, :len(path)] = torch.as_tensor([i * w + j for j in path])
+            index[i, len(path):] = i * w + path[-1]
+        return predict, torch.tensor(lens, dtype=torch.int32), index
+
+    def forward(self, batch=None, forward_batch=None, pp_proxy_tensors=None, is_verify=False):
+        source = forward_batch if forward_batch is not None else batch
+        if not is_verify:  # a DECODE forward: the next token of each request's last one
+            pos = source.seq_lens - 1
+            nxt = [self.next_token(r.rid, int(p)) for r, p in zip(batch.reqs, pos)]
+            return SimpleNamespace(logits_output=None, can_run_cuda_graph=True,
+                                   next_token_ids=torch.tensor(nxt, dtype=torch.int64))
+        spec = source.spec_info
+        if forward_batch is not None:
+            # what a replay reads: the inputs copied at replay, the mask in the backend's buffer
+            worker = self.worker
+            bs, w = len(forward_batch.reqs), spec.draft_token_num
+            state = worker._width_states[w]
+            buf = state[0]._verify_mask.buffer
+            from ngramspec_sglang.relay import full_verify_mask
+
+            want = full_verify_mask(worker.tree_mask[: bs * w * w].view(bs, w, w), forward_batch.seq_lens)
+            self.mask_checks.append(bool(torch.equal(buf[: want.numel()].to(torch.bool), want)))
+            assert forward_batch.input_ids is spec.draft_token and forward_batch.positions is spec.positions
+        self.verify_reads.append(forward_batch is not None)
+        return SimpleNamespace(logits_output=None, can_run_cuda_graph=True)
+
+
+class FakeRunner:
+    def __init__(self, world):
+        self.world = world
+
+    def can_run_graph(self, fb):
+        return True
+
+    def load_batch(self, fb):
+        self.world.loads += 1
+
+
+class FakeForwardBatch:
+    @staticmethod
+    def init_new(batch, model_runner, capture_hidden_mode=None, return_hidden_states_before_norm=False):
+        return SimpleNamespace(reqs=batch.reqs, input_ids=batch.input_ids, positions=batch.spec_info.positions,
+                               seq_lens=batch.seq_lens, spec_info=batch.spec_info,
+                               mark_forward_metadata_ready=lambda: None)
+
+
+class FakeProfile:
+    def __init__(self):
+        self.preplan = {}
+
+    def count_preplan(self, outcome):
+        self.preplan[outcome] = self.preplan.get(outcome, 0) + 1
+
+    def mark(self):
+        return None
+
+    def add(self, *a, **k):
+        pass
+
+    def add_device(self, *a, **k):
+        pass
+
+    def add_duration(self, *a, **k):
+        pass
+
+    def interrupt(self):
+        pass
+
+
+def build_worker(worker_mod, forward_mod, world, config, bs_max=8):
+    from ngramspec_sglang.backoff import PlanBackoff
+    from ngramspec_sglang.drafting import DraftPlanner
+
+    W = worker_mod.NgramAdaptiveWorker
+    w = object.__new__(W)
+    w.config = config
+    w.max_width = config.max_width
+    w.draft_token_num = w.speculative_num_draft_tokens = config.max_width
+    w.enable_overlap = True
+    w._target_worker = SimpleNamespace(forward_batch_generation=world.forward)
+    w.model_runner = SimpleNamespace(attn_backend=None, decode_cuda_graph_runner=None, watermark_state=None)
+    w.device = "cpu"
+    w.planner = DraftPlanner(config)
+    w._state = None
+    w._prev_decode_rids, w._relayed_rids = set(), set()
+    w.waiting_requests = 0
+    w._width_states = {}
+    for width in config.widths[1:]:
+        backend = SimpleNamespace(_verify_mask=SimpleNamespace(
+            buffer=torch.zeros(bs_max * width * (4096 + width), dtype=torch.uint8), fits=lambda bs: bs <= bs_max))
+        w._width_states[width] = (backend, FakeRunner(world))
+    w._decode_state = (SimpleNamespace(), FakeRunner(world))
+    w._plain_ok = True
+    w._profile = FakeProfile()
+    w._fwd_marks = [None, None]
+    w._timer = SimpleNamespace(harvest=lambda: None, step_launched=lambda *a: None, interrupt=lambda: None)
+    w._drafted_last = False
+    w._backoff = PlanBackoff()
+    w._next_roots = None
+    w._last_width = None
+    w._preplan_failed = False
+    w._forward_s = 0.0
+    w._verify_parts = (0.0, 0.0, 0.0)
+    w._draft_log = None
+    w.grammar_tree_host = None
+    w.token_to_kv_pool_allocator = None
+    long = dict(dtype=torch.int64)
+    n = bs_max * w.max_width
+    w.draft_tokens, w.positions = torch.zeros(n, **long), torch.zeros(n, **long)
+    w.retrieve_indexes, w.retrieve_next_token = torch.zeros(n, **long), torch.zeros(n, **long)
+    w.retrieve_next_sibling = torch.zeros(n, **long)
+    w.tree_mask = torch.zeros(n * w.max_width, dtype=torch.bool)
+    w._plain_lens = torch.arange(1, w.max_width + 1, dtype=torch.int32)[:, None].repeat(1, bs_max)
+    world.worker = w
+    return w
+
+
+@contextlib.contextmanager
+def patched(worker_mod, forward_mod, world):
+    """SGLang's GPU-side functions in the worker's modules replaced for the run."""
+    spec_bag = SimpleNamespace(override=lambda **k: contextlib.nullcontext())
+    repl = {
+        (forward_mod, "_is_cpu"): False, (worker_mod, "_is_cpu"): False,
+        (forward_mod, "get_spec"): lambda: spec_bag,
+        (forward_mod, "get_exec"): lambda: SimpleNamespace(mamba=SimpleNamespace(enable_mamba_extra_buffer=False)),
+        (forward_mod, "assign_extend_cache_locs_func"): lambda **k: torch.zeros(
+            k["batch_size"] * k["draft_token_num"], dtype=torch.int64),
+        (forward_mod, "reconstruct_indices_from_tree_mask_func"): world.reconstruct,
+        (forward_mod, "eagle_sample"): world.eagle_sample,
+        (forward_mod, "prepare_mamba_track_for_verify"): lambda batch: None,
+        (forward_mod, "commit_mamba_states_after_verify"): lambda *a: None,
+        (forward_mod, "move_accept_tokens_to_target_kvcache"): lambda *a: None,
+        (forward_mod, "set_time_batch"): lambda *a, **k: None,
+        (forward_mod, "ForwardBatch"): FakeForwardBatch,
+        (worker_mod, "set_time_batch"): lambda *a, **k: None,
+        (worker_mod, "record_stream_for_v2_verify"): lambda *a: None,
+    }
+    old = {key: getattr(*key) for key in repl}
+    for (mod, name), value in repl.items():
+        setattr(mod, name, value)
+    try:
+        yield
+    finally:
+        for (mod, name), value in old.items():
+            setattr(mod, name, value)
+
+
+def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0):
+    worker_mod, forward_mod = import_worker()
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from ngramspec_sglang.config import resolve_config
+    from ngramspec_sglang.relay import next_draft_input, padded_rows
+
+    path = Path(f"/tmp/ngramspec_scenario_{seed}.json")
+    path.write_text(json.dumps(config_json))
+    config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path),
+                                            speculative_num_draft_tokens=16))
+    rng = np.random.default_rng(seed)
+    prompts, truth = {}, {}
+    for i in range(n_requests):
+        # copy-heavy: the output repeats stretches of the prompt, with novel tokens between
+        prompt = rng.integers(1, 500, 120).tolist()
+        out = []
+        while len(out) < 160:
+            s = int(rng.integers(0, 100))
+            out += prompt[s:s + int(rng.integers(8, 30))] + rng.integers(1, 500, 2).tolist()
+        prompts[f"r{i}"], truth[f"r{i}"] = prompt, out[:160]
+    world = Scripted(truth, prompts)
+    worker = build_worker(worker_mod, forward_mod, world, config)
+    reqs = [SimpleNamespace(rid=r, origin_input_ids_unpadded=p, origin_input_ids=p, output_ids=[truth[r][0]],
+                            sampling_params=SimpleNamespace(max_new_tokens=len(truth[r])))
+            for r, p in prompts.items()]
+    # after the prefill: each request's first token committed and in its output; its KV holds the prompt
+    seq_lens = torch.tensor([len(p) for p in prompts.values()], dtype=torch.int64)
+    stride = worker.max_width
+    relay = next_draft_input(padded_rows(torch.tensor([[r.output_ids[0]] for r in reqs]), stride),
+                             torch.ones(len(reqs), dtype=torch.int32), seq_lens, stride)
+    worker._relayed_rids = {r.rid for r in reqs}
+    # the relay holds the prefill's token; the scheduler adds it to the outputs after launching the first step
+    unprocessed = (list(reqs), torch.tensor([[r.output_ids[0]] + [0] * (stride - 1) for r in reqs]),
+                   torch.ones(len(reqs), dtype=torch.int32))
+    for r in reqs:
+        r.output_ids = []
+    with patched(worker_mod, forward_mod, world):
+        for _ in range(steps):
+            live = [r for r in reqs if len(r.output_ids) < len(truth[r.rid])]
+            if not live:
+                break
+            idx = [reqs.index(r) for r in live]
+            batch = SimpleNamespace(
+                reqs=live, forward_mode=ForwardMode.DECODE, spec_info=relay_rows(relay, idx, stride),
+                seq_lens=seq_lens[idx].clone(), seq_lens_cpu=None, seq_lens_sum=None, orig_seq_lens=None,
+                req_pool_indices=torch.arange(len(live)), req_to_token_pool=SimpleNamespace(req_to_token=None),
+                input_ids=None, out_cache_loc=None, has_grammar=False, return_logprob=False,
+                sampling_info=SimpleNamespace(has_watermark_candidates=False),
+                grammar_needs_sync=lambda: False)
+            result = worker.forward_batch_generation(batch)
+            # the scheduler processes the previous step's result now (overlap), this one at the next step
+            if unprocessed is not None:
+                commit(*unprocessed, truth)
+            toks = result.next_token_ids.view(len(live), stride)
+            lens = result.accept_lens
+            unprocessed = (live, toks.clone(), lens.clone())
+            new = seq_lens.clone()
+            new[idx] = result.new_seq_lens.to(torch.int64)
+            seq_lens = new
+            full_toks = torch.zeros((len(reqs), stride), dtype=toks.dtype)
+            full_lens = torch.zeros(len(reqs), dtype=torch.int32)
+            full_toks[idx], full_lens[idx] = toks, lens.to(torch.int32)
+            relay = next_draft_input(full_toks.view(-1), full_lens, seq_lens, stride)
+        if unprocessed is not None:
+            commit(*unprocessed, truth)
+    outputs_ok = all(r.output_ids[:len(truth[r.rid])] == truth[r.rid] for r in reqs)
+    return {"outputs_equal_truth": outputs_ok, "steps": _ + 1,
+            "lengths": [len(r.output_ids) for r in reqs], "preplan": worker._profile.preplan,
+            "loads": world.loads, "prepared_verifies": sum(world.verify_reads),
+            "verifies": len(world.verify_reads), "mask_checks": world.mask_checks,
+            "preplan_failed": worker._preplan_failed}
+
+
+def relay_rows(relay, idx, stride):
+    """The relay as the scheduler hands it to a batch of the requests ``idx`` (their rows, in order)."""
+    from ngramspec_sglang.relay import next_draft_input
+
+    toks = relay.accept_tokens.view(-1, stride)[idx].reshape(-1)
+    return next_draft_input(toks, relay.accept_lens[idx], relay.new_seq_lens[idx], stride)
+
+
+def commit(reqs, toks, lens, truth):
+    for r, row, n in zip(reqs, toks.tolist(), lens.tolist()):
+        r.output_ids.extend(row[:n])
+        del r.output_ids[len(truth[r.rid]):]
+
+
+if __name__ == "__main__":  # argv[1]: a JSON list of adaptive configs; prints a JSON list of results
+    print(json.dumps([run(c) for c in json.loads(sys.argv[1])]))
