@@ -18,13 +18,17 @@ CONFIGS = {
     "preplan_chain": {"widths": [1, 2, 4, 8, 16], "preplan": True, "tree": False},
     "fixed16": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16},
     "fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True},
+    "abort_preplan": {"widths": [1, 2, 4, 8, 16], "preplan": True},
+    "abort_fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True},
 }
+ABORT_AT = {"abort_preplan": 9, "abort_fixed16_preplan": 5}  # the step at which the second request leaves
 
 
 @pytest.fixture(scope="module")
 def results():
-    proc = subprocess.run([sys.executable, str(SCENARIO), json.dumps(list(CONFIGS.values()))], capture_output=True,
-                          text=True, timeout=900)
+    runs = [[c, ABORT_AT.get(name)] for name, c in CONFIGS.items()]
+    proc = subprocess.run([sys.executable, str(SCENARIO), json.dumps(runs)], capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(zip(CONFIGS, json.loads(proc.stdout.strip().splitlines()[-1])))
 
@@ -36,7 +40,16 @@ def test_every_output_equals_the_models_greedy_tokens(results, name):
     assert r["verifies"] > 0  # copy-heavy requests: the worker drafted
 
 
-@pytest.mark.parametrize("name", ["preplan", "preplan_chain", "fixed16_preplan"])
+@pytest.mark.parametrize("name", list(ABORT_AT))
+def test_a_request_that_leaves_mid_run_is_released_and_the_others_stay_exact(results, name):
+    r = results[name]
+    assert r["aborted"] == ["r1"] and r["lengths"][1] < r["lengths"][0] == r["lengths"][2] == 160
+    assert r["outputs_equal_truth"]  # r1's tokens so far are right too
+    assert "r1" not in r["tracked_after"]  # the planner let it go (as every request that left the batch)
+
+
+@pytest.mark.parametrize("name", ["preplan", "preplan_chain", "fixed16_preplan", "abort_preplan",
+                                  "abort_fixed16_preplan"])
 def test_prepared_verifies_run_and_read_what_was_written_after_the_wait(results, name):
     r = results[name]
     used = r["preplan"].get("used", 0) + r["preplan"].get("fitted", 0)

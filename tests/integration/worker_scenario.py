@@ -24,6 +24,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import sys
+import tempfile
 import types
 from pathlib import Path
 from types import SimpleNamespace
@@ -296,17 +297,19 @@ def patched(worker_mod, forward_mod, world):
             setattr(mod, name, value)
 
 
-def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0):
+def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0, abort_at: int | None = None):
+    """One run; ``abort_at``: at that step the second request leaves the batch unfinished (a client abort)."""
     worker_mod, forward_mod = import_worker()
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from ngramspec_sglang.config import resolve_config
     from ngramspec_sglang.relay import next_draft_input, padded_rows
 
-    path = Path(f"/tmp/ngramspec_scenario_{seed}.json")
-    path.write_text(json.dumps(config_json))
-    config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path),
-                                            speculative_num_draft_tokens=16))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "adaptive.json"
+        path.write_text(json.dumps(config_json))
+        config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path),
+                                                speculative_num_draft_tokens=16))
     rng = np.random.default_rng(seed)
     prompts, truth = {}, {}
     for i in range(n_requests):
@@ -334,8 +337,11 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0)
     for r in reqs:
         r.output_ids = []
     with patched(worker_mod, forward_mod, world):
-        for _ in range(steps):
-            live = [r for r in reqs if len(r.output_ids) < len(truth[r.rid])]
+        aborted = set()
+        for step in range(steps):
+            if step == abort_at:
+                aborted.add(reqs[1].rid)
+            live = [r for r in reqs if len(r.output_ids) < len(truth[r.rid]) and r.rid not in aborted]
             if not live:
                 break
             idx = [reqs.index(r) for r in live]
@@ -362,8 +368,10 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0)
             relay = next_draft_input(full_toks.view(-1), full_lens, seq_lens, stride)
         if unprocessed is not None:
             commit(*unprocessed, truth)
-    outputs_ok = all(r.output_ids[:len(truth[r.rid])] == truth[r.rid] for r in reqs)
-    return {"outputs_equal_truth": outputs_ok, "steps": _ + 1,
+    outputs_ok = all(r.output_ids == truth[r.rid] for r in reqs if r.rid not in aborted)
+    outputs_ok &= all(r.output_ids == truth[r.rid][:len(r.output_ids)] for r in reqs)
+    return {"outputs_equal_truth": outputs_ok, "steps": step + 1, "aborted": sorted(aborted),
+            "tracked_after": sorted(map(str, worker.planner.tracked_requests)),
             "lengths": [len(r.output_ids) for r in reqs], "preplan": worker._profile.preplan,
             "loads": world.loads, "prepared_verifies": sum(world.verify_reads),
             "verifies": len(world.verify_reads), "mask_checks": world.mask_checks,
@@ -384,5 +392,5 @@ def commit(reqs, toks, lens, truth):
         del r.output_ids[len(truth[r.rid]):]
 
 
-if __name__ == "__main__":  # argv[1]: a JSON list of adaptive configs; prints a JSON list of results
-    print(json.dumps([run(c) for c in json.loads(sys.argv[1])]))
+if __name__ == "__main__":  # argv[1]: a JSON list of [adaptive config, abort step or null]; prints the results
+    print(json.dumps([run(c, abort_at=a) for c, a in json.loads(sys.argv[1])]))
