@@ -187,7 +187,7 @@ def profile_delta(before: dict, after: dict) -> dict | None:
     """Per step: mean verify width, waiting / planning / launch host ms, over all kinds of step."""
     tot = {k: 0.0 for k in ("steps", "requests", "width", "wait_s", "plan_s", "launch_s", "forward_s", "graph_steps",
                             "forwards", "prefetch_s", "views_s", "planner_s", "verify_prepare_s", "verify_sample_s",
-                            "verify_after_s")}
+                            "verify_after_s", "preplan_s")}
     kinds, by_kind = {}, {}
     for kind, row in after.items():
         if kind.startswith("_"):
@@ -199,6 +199,7 @@ def profile_delta(before: dict, after: dict) -> dict | None:
             # for the previous step's tokens, the first planner call), launch (forward call included), the forward call
             by_kind[kind] = {"plan_ms": round(1e3 * d["plan_s"] / d["steps"], 3),
                              "prefetch_ms": round(1e3 * d["prefetch_s"] / d["steps"], 3),
+                             "preplan_ms": round(1e3 * d["preplan_s"] / d["steps"], 3),
                              "views_ms": round(1e3 * d["views_s"] / d["steps"], 3),
                              "planner_ms": round(1e3 * d["planner_s"] / d["steps"], 3),
                              "launch_ms": round(1e3 * d["launch_s"] / d["steps"], 3),

@@ -97,7 +97,8 @@ class HostProfile:
             forward_s: float, graph: bool, plan=None, controller=None, forwards: int = 1, parts=None,
             verify_parts=None) -> None:
         """One step; ``parts``: seconds of plan_s spent in (prefetch, the request views: waiting for the previous
-        step's tokens when the step needs them, the first planner call); ``verify_parts``: of a verify's launch_s,
+        step's tokens when the step needs them, the first planner call, preparing the verify before the wait:
+        `preplan`); ``verify_parts``: of a verify's launch_s,
         the seconds before its forward call (mask, indices, cache locations), in its sampling and after it
         (accepted tokens, KV moves, the result)."""
         key = ("plain-overlapped" if lagging else "plain") if width == 1 else "verify"
@@ -109,11 +110,13 @@ class HostProfile:
                 self.expected[2] += float(plan.expected_tokens)
             self.controller = controller
             self.batches.add(batch_size)
-        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        row = self.rows.setdefault(key, [0, 0, 0.0, 0.0, 0.0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
         if parts is not None:
             row[9] += parts[0]
             row[10] += parts[1]
             row[11] += parts[2]
+            if len(parts) > 3:
+                row[15] += parts[3]
         if verify_parts is not None:
             row[12] += verify_parts[0]
             row[13] += verify_parts[1]
@@ -132,7 +135,8 @@ class HostProfile:
     def dump(self) -> None:
         out = {k: {"steps": r[0], "requests": r[1], "width": r[5], "wait_s": r[2], "plan_s": r[3], "launch_s": r[4],
                    "forward_s": r[6], "graph_steps": r[7], "forwards": r[8], "prefetch_s": r[9], "views_s": r[10],
-                   "planner_s": r[11], "verify_prepare_s": r[12], "verify_sample_s": r[13], "verify_after_s": r[14]}
+                   "planner_s": r[11], "verify_prepare_s": r[12], "verify_sample_s": r[13], "verify_after_s": r[14],
+                   "preplan_s": r[15]}
                for k, r in self.rows.items()}
         costs = {}
         estimates = getattr(getattr(self.controller, "costs", None), "row", None)

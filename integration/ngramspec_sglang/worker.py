@@ -245,6 +245,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         plain_fits = self._decode_state is not None and self._plain_decode_fits(batch)
         lagging = relayed and plain_fits and not self._drafted_last
         waited = 0.0
+        preplan_s = 0.0  # host seconds preparing a verify before the wait (`preplan`)
         roots = None
         if lagging and (self.config.fixed_width == 1 or self._backoff.to_skip > 0):  # no planner, no host tokens
             roots = self._last_tokens(batch, rids)
@@ -264,9 +265,11 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         t_pre = time.perf_counter()
         relay = batch.spec_info
         pre = None
+        t_preplanned = t_pre
         if relayed and not lagging:
             # the views wait for the previous step's tokens: meanwhile prepare the verify, warm the CPU caches
             pre = self._maybe_preplan(batch, self._last_width)
+            t_preplanned = time.perf_counter()
             if self.config.prefetch:
                 self.planner.prefetch(rids)
         t_views = time.perf_counter()
@@ -279,7 +282,9 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         if lagging and plan.width == 1:
             roots = self._last_tokens(batch, rids)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
+            t1 = time.perf_counter()
             pre = self._maybe_preplan(batch, plan.width) if relayed else None
+            preplan_s = time.perf_counter() - t1
             t1 = time.perf_counter()
             views = request_views(batch, True, relayed_rids, relay=relay)
             waited = time.perf_counter() - t1
@@ -318,7 +323,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             self._profile.add_device(plan.width, bs, (m0, *self._fwd_marks, self._dmark()))
             self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,
                               self._forward_s, result.can_run_cuda_graph, plan, self.planner.controller, forwards,
-                              parts=(t_views - t_pre, t_planner - t_views, t_planned - t_planner),
+                              parts=(t_views - t_preplanned, t_planner - t_views, t_planned - t_planner,
+                                     t_preplanned - t_pre + preplan_s),
                               verify_parts=self._verify_parts if plan.width > 1 else None)
         if self._draft_log is not None:
             self._draft_log.write(plan)

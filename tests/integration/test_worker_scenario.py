@@ -38,6 +38,8 @@ def test_every_output_equals_the_models_greedy_tokens(results, name):
     r = results[name]
     assert r["outputs_equal_truth"] and not r["preplan_failed"]
     assert r["verifies"] > 0  # copy-heavy requests: the worker drafted
+    assert r["profile_steps"] == r["steps"]  # NGRAMSPEC_PROFILE saw every decode step
+    assert (r["preplan_s"] > 0) == bool(CONFIGS[name].get("preplan"))
 
 
 @pytest.mark.parametrize("name", list(ABORT_AT))
@@ -56,6 +58,7 @@ def test_prepared_verifies_run_and_read_what_was_written_after_the_wait(results,
     assert used > 0 and r["prepared_verifies"] == used
     assert r["loads"] == used + r["preplan"].get("dropped", 0)  # every prepared batch was loaded once
     assert len(r["mask_checks"]) == used and all(r["mask_checks"])
+    assert r["preplan_s"] > 0  # the profile times the preparation, apart from the rest of the planning
 
 
 def test_at_a_fixed_width_every_verify_is_prepared(results):

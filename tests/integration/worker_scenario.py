@@ -196,30 +196,7 @@ class FakeForwardBatch:
                                mark_forward_metadata_ready=lambda: None)
 
 
-class FakeProfile:
-    def __init__(self):
-        self.preplan = {}
-
-    def count_preplan(self, outcome):
-        self.preplan[outcome] = self.preplan.get(outcome, 0) + 1
-
-    def mark(self):
-        return None
-
-    def add(self, *a, **k):
-        pass
-
-    def add_device(self, *a, **k):
-        pass
-
-    def add_duration(self, *a, **k):
-        pass
-
-    def interrupt(self):
-        pass
-
-
-def build_worker(worker_mod, forward_mod, world, config, bs_max=8):
+def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8):
     from ngramspec_sglang.backoff import PlanBackoff
     from ngramspec_sglang.drafting import DraftPlanner
 
@@ -243,7 +220,9 @@ def build_worker(worker_mod, forward_mod, world, config, bs_max=8):
         w._width_states[width] = (backend, FakeRunner(world))
     w._decode_state = (SimpleNamespace(), FakeRunner(world))
     w._plain_ok = True
-    w._profile = FakeProfile()
+    from ngramspec_sglang.diagnostics import HostProfile
+
+    w._profile = HostProfile(str(profile_path))  # the real one: the worker's calls into it run too
     w._fwd_marks = [None, None]
     w._timer = SimpleNamespace(harvest=lambda: None, step_launched=lambda *a: None, interrupt=lambda: None)
     w._drafted_last = False
@@ -305,11 +284,10 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     from ngramspec_sglang.config import resolve_config
     from ngramspec_sglang.relay import next_draft_input, padded_rows
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "adaptive.json"
-        path.write_text(json.dumps(config_json))
-        config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path),
-                                                speculative_num_draft_tokens=16))
+    tmp = tempfile.TemporaryDirectory()
+    path = Path(tmp.name) / "adaptive.json"
+    path.write_text(json.dumps(config_json))
+    config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path), speculative_num_draft_tokens=16))
     rng = np.random.default_rng(seed)
     prompts, truth = {}, {}
     for i in range(n_requests):
@@ -321,7 +299,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             out += prompt[s:s + int(rng.integers(8, 30))] + rng.integers(1, 500, 2).tolist()
         prompts[f"r{i}"], truth[f"r{i}"] = prompt, out[:160]
     world = Scripted(truth, prompts)
-    worker = build_worker(worker_mod, forward_mod, world, config)
+    worker = build_worker(worker_mod, forward_mod, world, config, Path(tmp.name) / "profile.json")
     reqs = [SimpleNamespace(rid=r, origin_input_ids_unpadded=p, origin_input_ids=p, output_ids=[truth[r][0]],
                             sampling_params=SimpleNamespace(max_new_tokens=len(truth[r])))
             for r, p in prompts.items()]
@@ -337,7 +315,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     for r in reqs:
         r.output_ids = []
     with patched(worker_mod, forward_mod, world):
-        aborted = set()
+        aborted, decode_steps = set(), 0
         for step in range(steps):
             if step == abort_at:
                 aborted.add(reqs[1].rid)
@@ -353,6 +331,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
                 sampling_info=SimpleNamespace(has_watermark_candidates=False),
                 grammar_needs_sync=lambda: False)
             result = worker.forward_batch_generation(batch)
+            decode_steps += 1
             # the scheduler processes the previous step's result now (overlap), this one at the next step
             if unprocessed is not None:
                 commit(*unprocessed, truth)
@@ -368,11 +347,16 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             relay = next_draft_input(full_toks.view(-1), full_lens, seq_lens, stride)
         if unprocessed is not None:
             commit(*unprocessed, truth)
+    worker._profile.dump()
+    profile = json.loads((Path(tmp.name) / "profile.json").read_text())
+    tmp.cleanup()
     outputs_ok = all(r.output_ids == truth[r.rid] for r in reqs if r.rid not in aborted)
     outputs_ok &= all(r.output_ids == truth[r.rid][:len(r.output_ids)] for r in reqs)
-    return {"outputs_equal_truth": outputs_ok, "steps": step + 1, "aborted": sorted(aborted),
+    return {"outputs_equal_truth": outputs_ok, "steps": decode_steps, "aborted": sorted(aborted),
             "tracked_after": sorted(map(str, worker.planner.tracked_requests)),
-            "lengths": [len(r.output_ids) for r in reqs], "preplan": worker._profile.preplan,
+            "lengths": [len(r.output_ids) for r in reqs], "preplan": profile["_diag"]["preplan"],
+            "profile_steps": sum(v["steps"] for k, v in profile.items() if not k.startswith("_")),
+            "preplan_s": sum(v["preplan_s"] for k, v in profile.items() if not k.startswith("_")),
             "loads": world.loads, "prepared_verifies": sum(world.verify_reads),
             "verifies": len(world.verify_reads), "mask_checks": world.mask_checks,
             "preplan_failed": worker._preplan_failed}
