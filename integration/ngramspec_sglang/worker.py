@@ -268,8 +268,9 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         t_preplanned = t_pre
         if relayed and not lagging:
             # the views wait for the previous step's tokens: meanwhile prepare the verify, warm the CPU caches
-            pre = self._maybe_preplan(batch, self._last_width)
-            t_preplanned = time.perf_counter()
+            if self.config.preplan:
+                pre = self._maybe_preplan(batch, self._last_width)
+                t_preplanned = time.perf_counter()
             if self.config.prefetch:
                 self.planner.prefetch(rids)
         t_views = time.perf_counter()
@@ -282,9 +283,10 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         if lagging and plan.width == 1:
             roots = self._last_tokens(batch, rids)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
-            t1 = time.perf_counter()
-            pre = self._maybe_preplan(batch, plan.width) if relayed else None
-            preplan_s = time.perf_counter() - t1
+            if self.config.preplan and relayed:
+                t1 = time.perf_counter()
+                pre = self._maybe_preplan(batch, plan.width)
+                preplan_s = time.perf_counter() - t1
             t1 = time.perf_counter()
             views = request_views(batch, True, relayed_rids, relay=relay)
             waited = time.perf_counter() - t1
