@@ -20,13 +20,17 @@ CONFIGS = {
     "fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True},
     "abort_preplan": {"widths": [1, 2, 4, 8, 16], "preplan": True},
     "abort_fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True},
+    "join": {"widths": [1, 2, 4, 8, 16]},
+    "join_preplan": {"widths": [1, 2, 4, 8, 16], "preplan": True},
+    "join_fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True},
 }
 ABORT_AT = {"abort_preplan": 9, "abort_fixed16_preplan": 5}  # the step at which the second request leaves
+JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6}  # the step a fourth request joins before
 
 
 @pytest.fixture(scope="module")
 def results():
-    runs = [[c, ABORT_AT.get(name)] for name, c in CONFIGS.items()]
+    runs = [[c, {"abort_at": ABORT_AT.get(name), "join_at": JOIN_AT.get(name)}] for name, c in CONFIGS.items()]
     proc = subprocess.run([sys.executable, str(SCENARIO), json.dumps(runs)], capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -37,6 +41,7 @@ def results():
 def test_every_output_equals_the_models_greedy_tokens(results, name):
     r = results[name]
     assert r["outputs_equal_truth"] and not r["preplan_failed"]
+    assert r["histories_ok"]  # the drafting cache saw each request's tokens once, in order, every step
     assert r["verifies"] > 0  # copy-heavy requests: the worker drafted
     assert r["profile_steps"] == r["steps"]  # NGRAMSPEC_PROFILE saw every decode step
     assert (r["preplan_s"] > 0) == bool(CONFIGS[name].get("preplan"))
@@ -50,8 +55,23 @@ def test_a_request_that_leaves_mid_run_is_released_and_the_others_stay_exact(res
     assert "r1" not in r["tracked_after"]  # the planner let it go (as every request that left the batch)
 
 
+@pytest.mark.parametrize("name", list(JOIN_AT))
+def test_a_request_that_joins_mid_run_decodes_exactly(results, name):
+    r = results[name]
+    assert r["joined"] == ["r0", "r1", "r2", "r3"] and r["lengths"] == [160] * 4 and r["outputs_equal_truth"]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_host_lengths_lent_to_a_verify_match_the_device(results, name):
+    """A verify not prepared before the wait lends the batch host lengths counted from the tokens it waited for;
+    they must be the KV lengths on the device (after a join, only the new request's relayed token is new)."""
+    r = results[name]
+    unprepared = r["verifies"] - r["prepared_verifies"]
+    assert len(r["host_lens_checks"]) == unprepared and all(r["host_lens_checks"])
+
+
 @pytest.mark.parametrize("name", ["preplan", "preplan_chain", "fixed16_preplan", "abort_preplan",
-                                  "abort_fixed16_preplan"])
+                                  "abort_fixed16_preplan", "join_preplan", "join_fixed16_preplan"])
 def test_prepared_verifies_run_and_read_what_was_written_after_the_wait(results, name):
     r = results[name]
     used = r["preplan"].get("used", 0) + r["preplan"].get("fitted", 0)

@@ -115,6 +115,7 @@ class Scripted:
         self.loads = 0
         self.verify_reads = []  # per verify forward: (prepared, tokens read, positions read)
         self.mask_checks = []
+        self.host_lens_checks = []
 
     # the request's tokens so far and its next true token at a KV position
     def next_token(self, rid, pos):
@@ -173,6 +174,10 @@ class Scripted:
             want = full_verify_mask(worker.tree_mask[: bs * w * w].view(bs, w, w), forward_batch.seq_lens)
             self.mask_checks.append(bool(torch.equal(buf[: want.numel()].to(torch.bool), want)))
             assert forward_batch.input_ids is spec.draft_token and forward_batch.positions is spec.positions
+        if forward_batch is None and batch.seq_lens_cpu is not None:
+            # the host lengths the worker lent for this forward (from the tokens it counted) match the device's
+            self.host_lens_checks.append(bool(torch.equal(batch.seq_lens_cpu.to(torch.int64),
+                                                          batch.seq_lens.to(torch.int64))))
         self.verify_reads.append(forward_batch is not None)
         return SimpleNamespace(logits_output=None, can_run_cuda_graph=True)
 
@@ -276,8 +281,11 @@ def patched(worker_mod, forward_mod, world):
             setattr(mod, name, value)
 
 
-def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0, abort_at: int | None = None):
-    """One run; ``abort_at``: at that step the second request leaves the batch unfinished (a client abort)."""
+def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0, abort_at: int | None = None,
+        join_at: int | None = None):
+    """One run; ``abort_at``: at that step the second request leaves the batch unfinished (a client abort);
+    ``join_at``: before that step one more request is prefilled and joins the running batch (continuous batching:
+    the prefill's token is the only one the relay holds for the next decode step)."""
     worker_mod, forward_mod = import_worker()
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -290,7 +298,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path), speculative_num_draft_tokens=16))
     rng = np.random.default_rng(seed)
     prompts, truth = {}, {}
-    for i in range(n_requests):
+    for i in range(n_requests + (join_at is not None)):
         # copy-heavy: the output repeats stretches of the prompt, with novel tokens between
         prompt = rng.integers(1, 500, 120).tolist()
         out = []
@@ -308,18 +316,33 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     stride = worker.max_width
     relay = next_draft_input(padded_rows(torch.tensor([[r.output_ids[0]] for r in reqs]), stride),
                              torch.ones(len(reqs), dtype=torch.int32), seq_lens, stride)
-    worker._relayed_rids = {r.rid for r in reqs}
+    joined = {r.rid for r in reqs[:n_requests]}
+    worker._relayed_rids = set(joined)
     # the relay holds the prefill's token; the scheduler adds it to the outputs after launching the first step
-    unprocessed = (list(reqs), torch.tensor([[r.output_ids[0]] + [0] * (stride - 1) for r in reqs]),
-                   torch.ones(len(reqs), dtype=torch.int32))
+    unprocessed = (reqs[:n_requests], torch.tensor([[r.output_ids[0]] + [0] * (stride - 1) for r in reqs]),
+                   torch.ones(n_requests, dtype=torch.int32))
     for r in reqs:
         r.output_ids = []
     with patched(worker_mod, forward_mod, world):
-        aborted, decode_steps = set(), 0
+        aborted, decode_steps, histories_ok = set(), 0, True
         for step in range(steps):
             if step == abort_at:
                 aborted.add(reqs[1].rid)
-            live = [r for r in reqs if len(r.output_ids) < len(truth[r.rid]) and r.rid not in aborted]
+            if step == join_at:  # prefill the late request, then the scheduler processes the last decode step
+                late = reqs[n_requests]
+                result = worker.forward_batch_generation(SimpleNamespace(
+                    reqs=[late], forward_mode=ForwardMode.EXTEND, seq_lens=torch.tensor([len(late.origin_input_ids)]),
+                    spec_info=None, has_grammar=False, return_logprob=False))
+                commit(*unprocessed, truth)
+                first = result.next_draft_input
+                unprocessed = ([late], first.accept_tokens.view(1, stride).clone(), first.accept_lens.clone())
+                toks, lens = relay.accept_tokens.view(-1, stride).clone(), relay.accept_lens.clone()
+                toks[n_requests], lens[n_requests] = first.accept_tokens.view(stride), 1
+                seq_lens[n_requests] = len(late.origin_input_ids)
+                relay = next_draft_input(toks.view(-1), lens, seq_lens.clone(), stride)
+                joined.add(late.rid)
+            live = [r for r in reqs if r.rid in joined and len(r.output_ids) < len(truth[r.rid])
+                    and r.rid not in aborted]
             if not live:
                 break
             idx = [reqs.index(r) for r in live]
@@ -332,11 +355,17 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
                 grammar_needs_sync=lambda: False)
             result = worker.forward_batch_generation(batch)
             decode_steps += 1
+            for r in live:  # what the drafts grow from: the request's tokens, each once, in order (past its
+                # last token, a step's relayed tokens may run on before the request stops: not compared)
+                if r.rid in worker.planner.tracked_requests:
+                    full = prompts[r.rid] + truth[r.rid]
+                    seen = worker.planner.cache.history(r.rid).tolist()[:len(full)]
+                    histories_ok &= seen == full[:len(seen)]
             # the scheduler processes the previous step's result now (overlap), this one at the next step
             if unprocessed is not None:
                 commit(*unprocessed, truth)
-            toks = result.next_token_ids.view(len(live), stride)
-            lens = result.accept_lens
+            toks = result.next_draft_input.accept_tokens.view(len(live), stride)
+            lens = result.next_draft_input.accept_lens
             unprocessed = (live, toks.clone(), lens.clone())
             new = seq_lens.clone()
             new[idx] = result.new_seq_lens.to(torch.int64)
@@ -353,12 +382,14 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     outputs_ok = all(r.output_ids == truth[r.rid] for r in reqs if r.rid not in aborted)
     outputs_ok &= all(r.output_ids == truth[r.rid][:len(r.output_ids)] for r in reqs)
     return {"outputs_equal_truth": outputs_ok, "steps": decode_steps, "aborted": sorted(aborted),
+            "joined": sorted(joined), "histories_ok": histories_ok,
             "tracked_after": sorted(map(str, worker.planner.tracked_requests)),
             "lengths": [len(r.output_ids) for r in reqs], "preplan": profile["_diag"]["preplan"],
             "profile_steps": sum(v["steps"] for k, v in profile.items() if not k.startswith("_")),
             "preplan_s": sum(v["preplan_s"] for k, v in profile.items() if not k.startswith("_")),
             "loads": world.loads, "prepared_verifies": sum(world.verify_reads),
             "verifies": len(world.verify_reads), "mask_checks": world.mask_checks,
+            "host_lens_checks": world.host_lens_checks,
             "preplan_failed": worker._preplan_failed}
 
 
@@ -376,5 +407,5 @@ def commit(reqs, toks, lens, truth):
         del r.output_ids[len(truth[r.rid]):]
 
 
-if __name__ == "__main__":  # argv[1]: a JSON list of [adaptive config, abort step or null]; prints the results
-    print(json.dumps([run(c, abort_at=a) for c, a in json.loads(sys.argv[1])]))
+if __name__ == "__main__":  # argv[1]: a JSON list of [adaptive config, {run's keyword arguments}]; prints results
+    print(json.dumps([run(c, **kw) for c, kw in json.loads(sys.argv[1])]))
