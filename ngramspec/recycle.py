@@ -13,8 +13,11 @@ State is one int32 array of ``vocab_size x k`` (-1: no candidate yet): bounded b
 from a root token into the (tokens, parents) form of the other drafts (`ngramspec.layout`: parents[j] < j, -1 for
 the root's children; no parent with two children of one token).
 
-Used by the simulator's `recycle` and `ngramspec-recycle` methods on traces that carry the model's top-k
-(`scripts/record_topk.py`); not yet by the controller or the SGLang plugin.
+Used by the simulator's `recycle`, `ngramspec-recycle` and `ngramspec-adaptive-recycle` methods on traces that carry
+the model's top-k (`scripts/record_topk.py`). With the adaptive controller, `with_recycled` puts recycling's drafts
+into the n-gram cache's `DraftBatch` as source 2 (`ngramspec.controller.calibration.N_SOURCES`), each node with a
+raw conditional by its rank (`RANK_CONDITIONAL`), so that the controller calibrates their acceptance apart from the
+n-gram drafts' and picks width and prefix over both. Not yet in the SGLang plugin.
 """
 from __future__ import annotations
 
@@ -150,3 +153,50 @@ class RecycleTable:
         cap = self._tokens.shape[0] if max_nodes is None else max(0, min(int(max_nodes), self._tokens.shape[0]))
         n = _draft(self.succ, int(root), self.tpl_parents, self.tpl_ranks, cap, self._tokens, self._parents)
         return self._tokens[:n].copy(), self._parents[:n].copy()
+
+
+RECYCLED = 2  # the DraftBatch source of recycling's nodes
+# a recycled node's raw conditional by the rank of its token among its parent token's candidates (the controller
+# learns the real acceptance per source, conditional bin and depth; these only separate the ranks into its bins)
+RANK_CONDITIONAL = np.array([0.6, 0.3, 0.15, 0.08], np.float64)
+
+
+def with_recycled(batch, table: "RecycleTable", roots, budget: int, min_match: int = 1):
+    """``batch`` (an `NgramCache` proposal) where every request whose draft is empty or grew from a match shorter
+    than ``min_match`` drafts from ``table`` instead, from its last token ``roots[i]``, up to ``budget`` nodes:
+    source `RECYCLED`, probabilities the products of `RANK_CONDITIONAL` along each path, match length 0. Returns
+    (the new `DraftBatch`, how many requests drafted from recycling). Requests kept from ``batch`` keep their arrays
+    unchanged."""
+    from ngramspec.cache import _draft_batch
+
+    B = len(batch)
+    ranks = table.tpl_ranks
+    toks, pars, probs, srcs, mlens = [], [], [], [], np.asarray(batch.match_lens, np.int64).copy()
+    used = 0
+    for i in range(B):
+        a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
+        if b > a and batch.match_lens[i] >= min_match:
+            toks.append(batch.tokens[a:b])
+            pars.append(batch.parents[a:b])
+            probs.append(batch.probs[a:b])
+            srcs.append(batch.sources[a:b])
+            continue
+        t, p = table.draft(int(roots[i]), budget)
+        q = RANK_CONDITIONAL[np.minimum(ranks[:len(t)], len(RANK_CONDITIONAL) - 1)] if len(t) else np.zeros(0)
+        path = np.empty(len(t), np.float64)
+        for j in range(len(t)):
+            path[j] = q[j] * (path[p[j]] if p[j] >= 0 else 1.0)
+        toks.append(t.astype(np.int32))
+        pars.append(p.astype(np.int32))
+        probs.append(path.astype(np.float32))
+        srcs.append(np.full(len(t), RECYCLED, np.int8))
+        mlens[i] = 0
+        used += len(t) > 0
+    offsets = np.zeros(B + 1, np.int64)
+    np.cumsum([len(t) for t in toks], out=offsets[1:])
+
+    def cat(parts, dt):
+        return np.ascontiguousarray(np.concatenate(parts).astype(dt, copy=False)) if parts else np.zeros(0, dt)
+
+    return _draft_batch(cat(toks, np.int32), cat(pars, np.int32), cat(probs, np.float32), cat(srcs, np.int8),
+                        offsets, mlens), used

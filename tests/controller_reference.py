@@ -21,7 +21,8 @@ _QBINS = np.array([0.1, 0.25, 0.5, 0.75, 0.999], np.float64)  # raw conditional
 _DBINS = np.array([2, 4, 8], np.int64)  # depth: 1 | 2-3 | 4-7 | 8+
 _KBINS = np.array([2, 3, 5], np.int64)  # drafted siblings (itself included): 1 | 2 | 3-4 | 5+
 _RBINS = 6  # request's recent success: unknown | 5 quantized levels
-_SHAPE = (2, 4, 6, 4, 4, _RBINS)  # source, match, conditional, depth, siblings, request
+_N_SOURCES = 3  # own history, shared cache, token recycling
+_SHAPE = (_N_SOURCES, 4, 6, 4, 4, _RBINS)  # source, match, conditional, depth, siblings, request
 _MID_PER_SOURCE = 4 * 6 * 4 * 4  # (match, conditional, depth, siblings) cells of one source
 _TOP_PER_SOURCE = 6 * 4 * 4  # (conditional, depth, siblings) cells of one source
 
@@ -254,12 +255,12 @@ class ReferenceController:
         self.trials = np.zeros_like(self.succ)
         self.mid_succ = np.zeros(int(np.prod(_SHAPE[:5])), np.float64)  # (source, match, conditional, depth, siblings)
         self.mid_trials = np.zeros_like(self.mid_succ)
-        self.top_succ = np.zeros(2 * _TOP_PER_SOURCE, np.float64)  # (source, conditional, depth, siblings)
+        self.top_succ = np.zeros(_N_SOURCES * _TOP_PER_SOURCE, np.float64)  # (source, conditional, depth, siblings)
         self.top_trials = np.zeros_like(self.top_succ)
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
         # per top cell (source, conditional, depth, siblings): prior_scale[depth] x the conditional's midpoint
         self.prior_mean = np.broadcast_to(q_mid[None, :, None, None] * self.prior_scale[None, None, :, None],
-                                          (2, 6, 4, 4)).reshape(-1).copy()
+                                          (_N_SOURCES, 6, 4, 4)).reshape(-1).copy()
         self.requests: dict[Hashable, _Request] = {}
         self.trace: deque = deque(maxlen=int(trace_len))
         self._n_steps = 0

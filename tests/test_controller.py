@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from ngramspec import NgramCache
 from ngramspec.controller import AdaptiveController, CostModel, default_prior
+from ngramspec.controller.calibration import TOP_SHAPE
 from ngramspec.sim.methods import make_method
 from ngramspec.sim.profiles import LinearProfile, get_profile
 from ngramspec.sim.simulate import replay, summarize
@@ -235,7 +236,7 @@ def test_every_draft_is_judged_while_older_ones_are_pending():
         cache.add_tokens(0, [t])
         ctl.observe_tokens(0, [t])
         ctl.observe_step(1, 1, 1.0)
-    depth_one = ctl.calibration.top_trials.reshape(2, 6, 4, 4)[:, :, 0, :].sum()
+    depth_one = ctl.calibration.top_trials.reshape(TOP_SHAPE)[:, :, 0, :].sum()
     assert roots_proposed > 50 and depth_one == roots_proposed
     assert ctl.pending(0) > 1  # the copy keeps several drafts alive at once
 

@@ -170,3 +170,64 @@ def test_ngram_first_then_recycling(tmp_path):
     run = replay(again, method)
     assert run.tokens == trace.output_tokens
     assert method.from_ngram > 0 and method.from_recycle > 0
+
+
+def test_recycled_drafts_join_the_batch_as_their_own_source():
+    """`with_recycled`: a request whose n-gram draft is empty or grew from too short a match takes recycling's
+    draft, marked source 2 with rank-based path probabilities (non-increasing along every path) and match length 0;
+    the others keep their arrays. The result is a valid batch the controller plans over."""
+    from ngramspec import NgramCache
+    from ngramspec.controller import AdaptiveController
+    from ngramspec.recycle import RANK_CONDITIONAL, RECYCLED, with_recycled
+
+    cache = NgramCache(max_depth=8)
+    cache.start_request("copy", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6])  # matches: an n-gram draft
+    cache.start_request("new", [40, 41, 42])  # no match: recycling's
+    table = RecycleTable(64, 3, bfs_template([2, 1, 1]))
+    table.update(np.array([42, 10, 11, 12, 13]), np.array([[10, 20, 30], [11, 21, 31], [12, 22, 32],
+                                                           [13, 23, 33], [14, 24, 34]]))
+    batch = cache.propose(["copy", "new"], 7, tree=True)
+    assert batch.match_lens[0] > 0 and len(batch.draft(1)) == 0
+    merged, used = with_recycled(batch, table, [6, 42], budget=7)
+    assert used == 1 and len(merged) == 2
+    kept, rec = merged.draft(0), merged.draft(1)
+    assert kept.tokens.tolist() == batch.draft(0).tokens.tolist() and (kept.sources != RECYCLED).all()
+    t, p = table.draft(42, 7)
+    assert rec.tokens.tolist() == t.tolist() and rec.parents.tolist() == p.tolist()
+    assert (rec.sources == RECYCLED).all() and merged.match_lens.tolist() == [batch.match_lens[0], 0]
+    assert rec.probs[0] == pytest.approx(RANK_CONDITIONAL[0]) and rec.probs[1] == pytest.approx(RANK_CONDITIONAL[1])
+    check_tree(rec.tokens, rec.parents)
+    for j, parent in enumerate(rec.parents.tolist()):
+        if parent >= 0:
+            assert rec.probs[j] <= rec.probs[parent]
+    # a match shorter than min_match goes to recycling too: the copy request's root (6) has no row in the table,
+    # so its draft becomes empty and does not count as drafted by recycling
+    merged2, used2 = with_recycled(batch, table, [6, 42], budget=7, min_match=99)
+    assert used2 == 1 and len(merged2.draft(0)) == 0
+    ctl = AdaptiveController((1, 2, 4, 8))
+    for r in ("copy", "new"):
+        ctl.start(r)
+    plan = ctl.plan(["copy", "new"], merged)
+    assert plan.width in (1, 2, 4, 8)
+
+
+def test_the_controller_over_recycled_drafts_learns_them_apart_and_stays_exact():
+    """`ngramspec-adaptive-recycle` on a trace whose successors recycling can predict, drafting from recycling
+    wherever it can (min_match=99): outputs exact, recycling drafted, and the controller's calibration counted
+    source-2 nodes; with recycle=0 it is `ngramspec-adaptive` run verb by verb: the same tokens, steps and
+    accepted drafts."""
+    from ngramspec.controller.calibration import TOP_SHAPE
+    from ngramspec.sim.methods import make_method
+    from ngramspec.sim.profiles import get_profile
+    from ngramspec.sim.simulate import replay
+
+    trace, _ = _cycle_trace(n_req=4, out_len=60)
+    profile = get_profile("h200-llama8b")
+    method = make_method("ngramspec-adaptive-recycle:topk=3,vocab=128,branching=2-1-1,min_match=99")
+    run = replay(trace, method, profile=profile)
+    assert run.tokens == trace.output_tokens and method.from_recycle > 0
+    assert method.ctl.calibration.top_trials.reshape(TOP_SHAPE)[2].sum() > 0
+    assert run.accepted > 0
+    verbs = replay(trace, make_method("ngramspec-adaptive-recycle:topk=3,vocab=128,recycle=0"), profile=profile)
+    fused = replay(trace, make_method("ngramspec-adaptive"), profile=profile)
+    assert (verbs.tokens, verbs.steps, verbs.accepted) == (fused.tokens, fused.steps, fused.accepted)

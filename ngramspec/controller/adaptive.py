@@ -68,7 +68,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from ngramspec._cache_api import Direct
-from ngramspec.controller.calibration import Calibration, Pending
+from ngramspec.controller.calibration import TOP_SHAPE, Calibration, Pending
 from ngramspec.controller.choose import (
     C_EXPLORED,
     C_REMEASURED,
@@ -170,7 +170,7 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
         # per top cell (source, conditional, depth, siblings): prior_scale[depth] x the conditional's midpoint
         self.prior_mean = np.broadcast_to(q_mid[None, :, None, None] * self.prior_scale[None, None, :, None],
-                                          (2, 6, 4, 4)).reshape(-1).copy()
+                                          TOP_SHAPE).reshape(-1).copy()
         # per-request state in slots: recent success (-1: unknown) and the pool of pending drafts
         self._slot_of: dict[Hashable, int] = {}
         self._slots_gen = 0  # counts changes of _slot_of

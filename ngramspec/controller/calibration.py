@@ -29,15 +29,17 @@ QBINS = np.array([0.1, 0.25, 0.5, 0.75, 0.999], np.float64)  # raw conditional
 DBINS = np.array([2, 4, 8], np.int64)  # depth: 1 | 2-3 | 4-7 | 8+
 KBINS = np.array([2, 3, 5], np.int64)  # drafted siblings (itself included): 1 | 2 | 3-4 | 5+
 RBINS = 6  # request's recent success: unknown | 5 quantized levels
-SHAPE = (2, 4, 6, 4, 4, RBINS)  # source, match, conditional, depth, siblings, request
-FINE = 2 * 4 * 6 * 4 * 4 * RBINS  # fine cells; a node's cell number is its fine cell + FINE x its copy-run bin
+# a draft node's source: 0 the request's own history, 1 the shared cache, 2 token recycling (`ngramspec.recycle`)
+N_SOURCES = 3
+SHAPE = (N_SOURCES, 4, 6, 4, 4, RBINS)  # source, match, conditional, depth, siblings, request
+FINE = N_SOURCES * 4 * 6 * 4 * 4 * RBINS  # fine cells; a node's cell number is its fine cell + FINE x its run bin
 RUNB = np.array([1, 4, 8, 16, 32], np.int64)  # request's copy run (tokens): 0 | 1-3 | 4-7 | 8-15 | 16-31 | 32+
 # the logistic correction's one-hot columns: run, run x depth, success, success x depth, conditional x run,
 # match x run; then the weight of the Beta estimate's logit
 N_LOGIT = 6 + 24 + 6 + 24 + 36 + 24 + 1
 LOGIT_LR = 0.1  # AdaGrad step
 LOGIT_L2 = 1e-4
-TOP_SHAPE = (2, 6, 4, 4)  # source, conditional, depth, siblings
+TOP_SHAPE = (N_SOURCES, 6, 4, 4)  # source, conditional, depth, siblings
 _MID_PER_SOURCE = 4 * 6 * 4 * 4  # (match, conditional, depth, siblings) cells of one source
 _TOP_PER_SOURCE = 6 * 4 * 4  # (conditional, depth, siblings) cells of one source
 
@@ -61,7 +63,7 @@ class Calibration(NamedTuple):
     def empty(cls, logistic: bool = False) -> "Calibration":
         fine = np.zeros(int(np.prod(SHAPE)), np.float64)
         mid = np.zeros(int(np.prod(SHAPE[:5])), np.float64)
-        top = np.zeros(2 * _TOP_PER_SOURCE, np.float64)
+        top = np.zeros(N_SOURCES * _TOP_PER_SOURCE, np.float64)
         w, g2 = initial_logit() if logistic else (np.zeros(0), np.zeros(0))
         return cls(fine, fine.copy(), mid, mid.copy(), top, top.copy(), w, g2)
 

@@ -11,7 +11,7 @@ from ngramspec.controller.calibration import Calibration
 
 _COUNTS = Calibration._fields[:6]  # the Beta counts: every state has them
 STATE_FORMAT = "ngramspec-controller-state"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: a third draft source (token recycling) in the calibration tables
 
 
 class Persisting:

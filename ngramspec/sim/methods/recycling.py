@@ -98,3 +98,99 @@ register_method("recycle", _recycle, "token recycling: drafts from each token's 
                 "(needs a trace with topk)")
 register_method("ngramspec-recycle", _ngram_recycle, "ngramspec-tree's drafts where the n-gram cache matches, "
                 "token recycling's elsewhere (needs a trace with topk)")
+
+
+class AdaptiveRecycle(Method):
+    """`ngramspec-adaptive-recycle`: `ngramspec-adaptive` (the controller picks width and prefix) over the n-gram
+    cache's drafts, with recycling's draft (`ngramspec.recycle.with_recycled`, source 2) where the cache has no
+    match of ``min_match`` tokens. The controller's verbs one by one (`observe_batch`, `plan`) around the merge,
+    where `ngramspec-adaptive` runs them in one `step`."""
+
+    uses_scores = True
+    profile_dependent = True
+
+    def __init__(self, max_width: int = 16, branching: str = "4-1-1-1", topk: int = 8, vocab: int = 1 << 18,
+                 depth: int = 16, min_match: int = 1, recycle: int = 1, **adaptive):
+        from ngramspec.recycle import RecycleTable, bfs_template
+        from ngramspec.sim.methods.adaptive import AdaptiveMethod
+
+        self.inner = AdaptiveMethod(max_width=max_width, depth=depth, **adaptive)
+        self.ctl, self.cache = self.inner.ctl, self.inner.cache
+        try:
+            widths = [int(b) for b in str(branching).split("-")]
+        except ValueError:
+            raise ValueError(f"branching must look like 4-1-1-1, got {branching!r}") from None
+        self.table = RecycleTable(positive_int(vocab, "recycle vocab"), positive_int(topk, "recycle topk"),
+                                  bfs_template(widths))
+        self.recycle = bool(int(recycle))  # 0: the same verbs without recycling (its control)
+        self.min_match = positive_int(min_match, "min_match")
+        self.budget = max(1, self.ctl.widths[-1] - 1)
+        self._last: dict = {}
+        self._committed: dict = {}
+        self._width = 1
+        self.from_recycle = 0
+
+    def warmup(self):
+        self.inner.warmup()
+        self.table.update(np.zeros(1, np.int32), np.zeros((1, self.table.k), np.int32))
+        self.table.draft(0, 2)
+        self.table.succ[0] = -1
+
+    def bind_profile(self, profile):
+        self.inner.bind_profile(profile)
+
+    def close(self):
+        self.inner.close()
+
+    def start(self, rid, prompt):
+        self.cache.start_request(rid, prompt)
+        self.ctl.start(rid)
+        self._last[rid] = int(prompt[-1])
+
+    def propose(self, rids):
+        from ngramspec.recycle import with_recycled
+
+        empty = np.zeros(0, np.int32)
+        committed = [self._committed.pop(r, empty) for r in rids]
+        self.cache.add_tokens_batch(list(rids), committed)
+        self.ctl.observe_batch(rids, committed)
+        batch = self.cache.propose(list(rids), self.budget, tree=True)
+        if self.recycle:
+            batch, used = with_recycled(batch, self.table, [self._last[r] for r in rids], self.budget,
+                                        self.min_match)
+            self.from_recycle += used
+        plan = self.ctl.plan(rids, batch, waiting=self.waiting)
+        self._width = plan.width
+        out = []
+        for i in range(len(rids)):
+            a, k = int(batch.offsets[i]), int(plan.lengths[i])
+            out.append((batch.tokens[a:a + k].copy(), batch.parents[a:a + k].copy()))
+        return out
+
+    def verify_width(self, rids, drafts):
+        return self._width
+
+    def see_scores(self, rid, rows):
+        self._rows = rows[:, :self.table.k]
+
+    def update(self, rid, committed, n_accepted):
+        self.table.update(np.concatenate(([self._last[rid]], committed[:-1])), self._rows)
+        self._last[rid] = int(committed[-1])
+        self._committed[rid] = committed
+
+    def observe_step(self, batch_size, width, duration_ms):
+        self.ctl.observe_step(batch_size, width, duration_ms)
+
+    def finish(self, rid):
+        committed = self._committed.pop(rid, None)
+        if committed is not None:
+            self.cache.add_tokens(rid, committed)
+            self.ctl.observe_tokens(rid, committed)
+        self.cache.finish_request(rid, share=True)
+        self.ctl.finish(rid)
+        self._last.pop(rid, None)
+
+
+register_method("ngramspec-adaptive-recycle", AdaptiveRecycle,
+                "ngramspec-adaptive with token recycling's draft (a third source the controller calibrates apart) "
+                "where the n-gram cache has no match (needs a trace with topk; recycle=0: the same without it)")
