@@ -161,12 +161,14 @@ RECYCLED = 2  # the DraftBatch source of recycling's nodes
 RANK_CONDITIONAL = np.array([0.6, 0.3, 0.15, 0.08], np.float64)
 
 
-def with_recycled(batch, table: "RecycleTable", roots, budget: int, min_match: int = 1):
+def with_recycled(batch, table: "RecycleTable", roots, budget: int, min_match: int = 1, widen: bool = False):
     """``batch`` (an `NgramCache` proposal) where every request whose draft is empty or grew from a match shorter
     than ``min_match`` drafts from ``table`` instead, from its last token ``roots[i]``, up to ``budget`` nodes:
-    source `RECYCLED`, probabilities the products of `RANK_CONDITIONAL` along each path, match length 0. Returns
-    (the new `DraftBatch`, how many requests drafted from recycling). Requests kept from ``batch`` keep their arrays
-    unchanged."""
+    source `RECYCLED`, probabilities the products of `RANK_CONDITIONAL` along each path, match length 0. With
+    ``widen``, every other request's n-gram draft is followed by recycling's nodes whose first token is none of the
+    n-gram draft's first tokens (with their subtrees): a controller that keeps a prefix of a draft reaches them
+    only past the n-gram nodes. Returns (the new `DraftBatch`, how many requests drafted from recycling). Requests
+    kept as they were keep their arrays unchanged."""
     from ngramspec.cache import _draft_batch
 
     B = len(batch)
@@ -175,7 +177,8 @@ def with_recycled(batch, table: "RecycleTable", roots, budget: int, min_match: i
     used = 0
     for i in range(B):
         a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
-        if b > a and batch.match_lens[i] >= min_match:
+        keep = b > a and batch.match_lens[i] >= min_match
+        if keep and not widen:
             toks.append(batch.tokens[a:b])
             pars.append(batch.parents[a:b])
             probs.append(batch.probs[a:b])
@@ -186,6 +189,27 @@ def with_recycled(batch, table: "RecycleTable", roots, budget: int, min_match: i
         path = np.empty(len(t), np.float64)
         for j in range(len(t)):
             path[j] = q[j] * (path[p[j]] if p[j] >= 0 else 1.0)
+        if keep:  # widen: the n-gram draft, then recycling's other first tokens and their subtrees
+            n = b - a
+            firsts = set(batch.tokens[a:b][batch.parents[a:b] < 0].tolist())
+            new_index = np.full(len(t), -1, np.int64)
+            add = []
+            for j in range(len(t)):
+                if p[j] < 0:
+                    if int(t[j]) in firsts:
+                        continue
+                elif new_index[p[j]] < 0:
+                    continue
+                new_index[j] = n + len(add)
+                add.append(j)
+            add = np.asarray(add, np.int64)
+            toks.append(np.concatenate((batch.tokens[a:b], t[add].astype(np.int32))))
+            pars.append(np.concatenate((batch.parents[a:b],
+                                        np.where(p[add] < 0, -1, new_index[np.maximum(p[add], 0)]).astype(np.int32))))
+            probs.append(np.concatenate((batch.probs[a:b], path[add].astype(np.float32))))
+            srcs.append(np.concatenate((batch.sources[a:b], np.full(len(add), RECYCLED, np.int8))))
+            used += len(add) > 0
+            continue
         toks.append(t.astype(np.int32))
         pars.append(p.astype(np.int32))
         probs.append(path.astype(np.float32))

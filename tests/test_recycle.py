@@ -231,3 +231,29 @@ def test_the_controller_over_recycled_drafts_learns_them_apart_and_stays_exact()
     verbs = replay(trace, make_method("ngramspec-adaptive-recycle:topk=3,vocab=128,recycle=0"), profile=profile)
     fused = replay(trace, make_method("ngramspec-adaptive"), profile=profile)
     assert (verbs.tokens, verbs.steps, verbs.accepted) == (fused.tokens, fused.steps, fused.accepted)
+
+
+def test_widening_appends_recycled_alternatives_after_the_ngram_draft():
+    """`with_recycled(widen=True)`: a request that keeps its n-gram draft gets recycling's nodes after it, those
+    whose first token is not already a first token of the n-gram draft (with their subtrees); the n-gram nodes stay
+    a prefix (what a controller keeping few nodes verifies), and the result is a valid tree."""
+    from ngramspec import NgramCache
+    from ngramspec.recycle import RECYCLED, with_recycled
+
+    cache = NgramCache(max_depth=8)
+    cache.start_request("copy", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+    batch = cache.propose(["copy"], 4, tree=True)
+    ngram = batch.draft(0)
+    first = int(ngram.tokens[0])  # 7: what followed 5 6 before
+    table = RecycleTable(64, 3, bfs_template([3, 1]))
+    table.update(np.array([6, first, 30, 31]), np.array([[first, 30, 31], [40, 41, 42], [50, 51, 52],
+                                                         [60, 61, 62]]))
+    merged, used = with_recycled(batch, table, [6], budget=7, widen=True)
+    d = merged.draft(0)
+    n = len(ngram)
+    assert used == 1 and d.tokens[:n].tolist() == ngram.tokens.tolist() and (d.sources[:n] != RECYCLED).all()
+    extra = d.tokens[n:].tolist()
+    # recycling's first tokens 30 and 31 (its 7 is the n-gram draft's), each with its rank-0 successor
+    assert extra == [30, 31, 50, 60] and d.parents[n:].tolist() == [-1, -1, n, n + 1]
+    assert (d.sources[n:] == RECYCLED).all() and merged.match_lens[0] == batch.match_lens[0]
+    check_tree(d.tokens, d.parents)

@@ -110,7 +110,7 @@ class AdaptiveRecycle(Method):
     profile_dependent = True
 
     def __init__(self, max_width: int = 16, branching: str = "4-1-1-1", topk: int = 8, vocab: int = 1 << 18,
-                 depth: int = 16, min_match: int = 1, recycle: int = 1, **adaptive):
+                 depth: int = 16, min_match: int = 1, recycle: int = 1, widen: int = 0, **adaptive):
         from ngramspec.recycle import RecycleTable, bfs_template
         from ngramspec.sim.methods.adaptive import AdaptiveMethod
 
@@ -124,6 +124,7 @@ class AdaptiveRecycle(Method):
                                   bfs_template(widths))
         self.recycle = bool(int(recycle))  # 0: the same verbs without recycling (its control)
         self.min_match = positive_int(min_match, "min_match")
+        self.widen = bool(int(widen))  # also after every n-gram draft (`with_recycled`'s widen)
         self.budget = max(1, self.ctl.widths[-1] - 1)
         self._last: dict = {}
         self._committed: dict = {}
@@ -157,7 +158,7 @@ class AdaptiveRecycle(Method):
         batch = self.cache.propose(list(rids), self.budget, tree=True)
         if self.recycle:
             batch, used = with_recycled(batch, self.table, [self._last[r] for r in rids], self.budget,
-                                        self.min_match)
+                                        self.min_match, widen=self.widen)
             self.from_recycle += used
         plan = self.ctl.plan(rids, batch, waiting=self.waiting)
         self._width = plan.width
