@@ -8,6 +8,7 @@ largest width's output stride.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from .relay import (
 )
 
 _is_cpu = is_cpu()
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -270,20 +272,29 @@ class WorkerForward:
             raise ValueError(f"a plan at width {width} cannot run on a verify prepared at width {pre.width}")
         t_in = time.perf_counter()
         if pre is not None:
-            with get_spec().override(speculative_num_draft_tokens=width):
-                self._fill_drafts(batch, plan, pre.buffers, int(sum(seq_lens_host)), mask_out=pre.mask_buffer,
-                                  mask_index=pre.mask_index)
-                set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
-                verify_input: NgramVerifyInput = pre.verify_input
-                t = time.perf_counter()
-                self._fwd_marks[0] = self._dmark()
-                batch_result = self.target_worker.forward_batch_generation(
-                    None, forward_batch=pre.forward_batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
-                )
-                t_fwd = time.perf_counter()
-                self._fwd_marks[1] = self._dmark()
-                self._forward_s = t_fwd - t
-            return self._finish_verify(batch, plan, verify_input, batch_result, on_publish, t_in, t, t_fwd)
+            try:
+                with get_spec().override(speculative_num_draft_tokens=width):
+                    self._fill_drafts(batch, plan, pre.buffers, int(sum(seq_lens_host)), mask_out=pre.mask_buffer,
+                                      mask_index=pre.mask_index)
+                    set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
+                    verify_input: NgramVerifyInput = pre.verify_input
+                    t = time.perf_counter()
+                    self._fwd_marks[0] = self._dmark()
+                    batch_result = self.target_worker.forward_batch_generation(
+                        None, forward_batch=pre.forward_batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
+                    )
+                    t_fwd = time.perf_counter()
+                    self._fwd_marks[1] = self._dmark()
+                    self._forward_s = t_fwd - t
+            except Exception:
+                # an SGLang the prepared path does not fit: this step runs unprepared (a forward it may have run
+                # wrote the same tokens' KV at the same slots, which the unprepared one writes again), and the
+                # option is off from now
+                logger.exception("NGRAM_ADAPTIVE: a verify prepared before the wait failed; preplan is off from now")
+                self._preplan_failed = True
+                self._drop_preplan(batch, pre)
+            else:
+                return self._finish_verify(batch, plan, verify_input, batch_result, on_publish, t_in, t, t_fwd)
         self._activate(self._width_states[width], width)
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         if batch.seq_lens_cpu is None:

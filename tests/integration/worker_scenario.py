@@ -116,6 +116,7 @@ class Scripted:
         self.verify_reads = []  # per verify forward: (prepared, tokens read, positions read)
         self.mask_checks = []
         self.host_lens_checks = []
+        self.fail = None  # "load" or "replay": the graph runner's load, or a prepared replay, raises (once on)
 
     # the request's tokens so far and its next true token at a KV position
     def next_token(self, rid, pos):
@@ -163,6 +164,8 @@ class Scripted:
             return SimpleNamespace(logits_output=None, can_run_cuda_graph=True,
                                    next_token_ids=torch.tensor(nxt, dtype=torch.int64))
         spec = source.spec_info
+        if forward_batch is not None and self.fail == "replay":
+            raise RuntimeError("scripted failure of a prepared verify's replay")
         if forward_batch is not None:
             # what a replay reads: the inputs copied at replay, the mask in the backend's buffer
             worker = self.worker
@@ -190,6 +193,8 @@ class FakeRunner:
         return True
 
     def load_batch(self, fb):
+        if self.world.fail == "load":
+            raise RuntimeError("scripted failure of the graph runner's load")
         self.world.loads += 1
 
 
@@ -282,10 +287,11 @@ def patched(worker_mod, forward_mod, world):
 
 
 def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0, abort_at: int | None = None,
-        join_at: int | None = None):
+        join_at: int | None = None, fail: str | None = None, fail_at: int = 0):
     """One run; ``abort_at``: at that step the second request leaves the batch unfinished (a client abort);
     ``join_at``: before that step one more request is prefilled and joins the running batch (continuous batching:
-    the prefill's token is the only one the relay holds for the next decode step)."""
+    the prefill's token is the only one the relay holds for the next decode step); ``fail`` ("load" or "replay")
+    from step ``fail_at`` on: the graph runner's load, or a prepared verify's replay, raises."""
     worker_mod, forward_mod = import_worker()
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -328,6 +334,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
         for step in range(steps):
             if step == abort_at:
                 aborted.add(reqs[1].rid)
+            if step == fail_at:
+                world.fail = fail
             if step == join_at:  # prefill the late request, then the scheduler processes the last decode step
                 late = reqs[n_requests]
                 result = worker.forward_batch_generation(SimpleNamespace(
