@@ -27,6 +27,9 @@ CONFIGS = {
     "fail_replay": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True},
 }
 FAIL = {"fail_load": ("load", 6), "fail_replay": ("replay", 6)}  # what raises, from which step on
+CONFIGS.update({"logprobs": {"widths": [1, 2, 4, 8, 16]}, "logprobs_preplan": {"widths": [1, 2, 4, 8, 16],
+                                                                               "preplan": True}})
+LOGPROB_EVERY = {"logprobs": 3, "logprobs_preplan": 3}  # every third step a request of the batch wants logprobs
 ABORT_AT = {"abort_preplan": 9, "abort_fixed16_preplan": 5}  # the step at which the second request leaves
 JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6}  # the step a fourth request joins before
 
@@ -34,6 +37,7 @@ JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6}  # the ste
 @pytest.fixture(scope="module")
 def results():
     runs = [[c, {"abort_at": ABORT_AT.get(name), "join_at": JOIN_AT.get(name),
+                 "logprob_every": LOGPROB_EVERY.get(name, 0),
                  **({"fail": FAIL[name][0], "fail_at": FAIL[name][1]} if name in FAIL else {})}]
             for name, c in CONFIGS.items()]
     proc = subprocess.run([sys.executable, str(SCENARIO), json.dumps(runs)], capture_output=True, text=True,
@@ -84,6 +88,18 @@ def test_prepared_verifies_run_and_read_what_was_written_after_the_wait(results,
     assert r["loads"] == used + r["preplan"].get("dropped", 0)  # every prepared batch was loaded once
     assert len(r["mask_checks"]) == used and all(r["mask_checks"])
     assert r["preplan_s"] > 0  # the profile times the preparation, apart from the rest of the planning
+
+
+@pytest.mark.parametrize("name", list(LOGPROB_EVERY))
+def test_batches_that_return_logprobs_mix_with_drafting_ones(results, name):
+    """A batch with a request that wants logprobs takes neither the plain decode path nor a prepared verify: each
+    of its steps is a verify (1 token where nothing is drafted) whose logprobs SGLang computes; the other steps
+    draft and decode as usual, and every output stays exact."""
+    r = results[name]
+    assert r["outputs_equal_truth"] and r["logprob_batches"] > 5
+    assert len(r["logprob_steps"]) == r["logprob_batches"]
+    assert all(wants and not prepared for wants, _, prepared in r["logprob_steps"])
+    assert 1 in {w for _, w, _ in r["logprob_steps"]}
 
 
 @pytest.mark.parametrize("name", list(FAIL))

@@ -117,6 +117,8 @@ class Scripted:
         self.mask_checks = []
         self.host_lens_checks = []
         self.fail = None  # "load" or "replay": the graph runner's load, or a prepared replay, raises (once on)
+        self.logprob_steps = []  # (batch returns logprobs, verify width, prepared) per logprob computation
+        self._last_prepared = None
 
     # the request's tokens so far and its next true token at a KV position
     def next_token(self, rid, pos):
@@ -156,6 +158,11 @@ class Scripted:
             index[i, len(path):] = i * w + path[-1]
         return predict, torch.tensor(lens, dtype=torch.int32), index
 
+    def spec_logprobs(self, batch, logits_output, predict, accept_index=None):
+        # logprobs of a verify's accepted tokens: a batch that asked for them ran a verify, never prepared
+        self.logprob_steps.append((batch.return_logprob, batch.spec_info.draft_token_num,
+                                   batch.spec_info is self._last_prepared))
+
     def forward(self, batch=None, forward_batch=None, pp_proxy_tensors=None, is_verify=False):
         source = forward_batch if forward_batch is not None else batch
         if not is_verify:  # a DECODE forward: the next token of each request's last one
@@ -166,6 +173,7 @@ class Scripted:
         spec = source.spec_info
         if forward_batch is not None and self.fail == "replay":
             raise RuntimeError("scripted failure of a prepared verify's replay")
+        self._last_prepared = spec if forward_batch is not None else None
         if forward_batch is not None:
             # what a replay reads: the inputs copied at replay, the mask in the backend's buffer
             worker = self.worker
@@ -224,7 +232,7 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
     w._prev_decode_rids, w._relayed_rids = set(), set()
     w.waiting_requests = 0
     w._width_states = {}
-    for width in config.widths[1:]:
+    for width in config.widths:  # as at start-up: a verify state per width, width 1 included (1-token verifies)
         backend = SimpleNamespace(_verify_mask=SimpleNamespace(
             buffer=torch.zeros(bs_max * width * (4096 + width), dtype=torch.uint8), fits=lambda bs: bs <= bs_max))
         w._width_states[width] = (backend, FakeRunner(world))
@@ -273,6 +281,7 @@ def patched(worker_mod, forward_mod, world):
         (forward_mod, "move_accept_tokens_to_target_kvcache"): lambda *a: None,
         (forward_mod, "set_time_batch"): lambda *a, **k: None,
         (forward_mod, "ForwardBatch"): FakeForwardBatch,
+        (forward_mod, "compute_spec_logprobs"): world.spec_logprobs,
         (worker_mod, "set_time_batch"): lambda *a, **k: None,
         (worker_mod, "record_stream_for_v2_verify"): lambda *a: None,
     }
@@ -287,11 +296,12 @@ def patched(worker_mod, forward_mod, world):
 
 
 def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0, abort_at: int | None = None,
-        join_at: int | None = None, fail: str | None = None, fail_at: int = 0):
+        join_at: int | None = None, fail: str | None = None, fail_at: int = 0, logprob_every: int = 0):
     """One run; ``abort_at``: at that step the second request leaves the batch unfinished (a client abort);
     ``join_at``: before that step one more request is prefilled and joins the running batch (continuous batching:
     the prefill's token is the only one the relay holds for the next decode step); ``fail`` ("load" or "replay")
-    from step ``fail_at`` on: the graph runner's load, or a prepared verify's replay, raises."""
+    from step ``fail_at`` on: the graph runner's load, or a prepared verify's replay, raises; ``logprob_every``:
+    every that many steps the batch returns logprobs (a request asked for them): no plain or prepared path."""
     worker_mod, forward_mod = import_worker()
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -358,7 +368,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
                 reqs=live, forward_mode=ForwardMode.DECODE, spec_info=relay_rows(relay, idx, stride),
                 seq_lens=seq_lens[idx].clone(), seq_lens_cpu=None, seq_lens_sum=None, orig_seq_lens=None,
                 req_pool_indices=torch.arange(len(live)), req_to_token_pool=SimpleNamespace(req_to_token=None),
-                input_ids=None, out_cache_loc=None, has_grammar=False, return_logprob=False,
+                input_ids=None, out_cache_loc=None, has_grammar=False,
+                return_logprob=bool(logprob_every) and step % logprob_every == 0,
                 sampling_info=SimpleNamespace(has_watermark_candidates=False),
                 grammar_needs_sync=lambda: False)
             result = worker.forward_batch_generation(batch)
@@ -397,7 +408,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             "preplan_s": sum(v["preplan_s"] for k, v in profile.items() if not k.startswith("_")),
             "loads": world.loads, "prepared_verifies": sum(world.verify_reads),
             "verifies": len(world.verify_reads), "mask_checks": world.mask_checks,
-            "host_lens_checks": world.host_lens_checks,
+            "host_lens_checks": world.host_lens_checks, "logprob_steps": world.logprob_steps,
+            "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
             "preplan_failed": worker._preplan_failed}
 
 
