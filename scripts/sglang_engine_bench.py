@@ -149,6 +149,9 @@ CONFIGS = {
     "adaptive_pp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": True}),
     "adaptive_pp_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": True,
                                                                                     "plain_forwards": 1}),
+    # token recycling as a third draft source (the verifier's own top-k after every scored position)
+    "adaptive_rc": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"recycle": True}),
+    "adaptive_rc_pp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"recycle": True, "preplan": True}),
     # every step verifies 16 tokens, so every step waits for the one before: the drafting step's period with and
     # without the verify prepared before the wait (the profile's durations at width 16)
     "adaptive_f16": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16}),

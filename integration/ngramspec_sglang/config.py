@@ -62,6 +62,14 @@ ADAPTIVE_CONFIG_KEYS = {
                "step), so that only drafting and the token copy stand between the previous step's end and the "
                "next forward; a plan at another width is fitted to the prepared one (drafts cut, or the width "
                "grown up to 2x) or, further off, runs unprepared. Default false",
+    "recycle": "true: token recycling as a third draft source (experimental, default false): a table of each "
+               "token's latest top-k successors from the verifier's own scores of every verified and decoded "
+               "position, drafting where the n-gram cache matches fewer than recycle_min_match tokens (and, with "
+               "recycle_widen, after the n-gram draft); the controller calibrates its acceptance apart",
+    "recycle_topk": "successors kept per token (default 8)",
+    "recycle_branching": "the recycled tree's breadth-first template, children per level (default [4, 1, 1, 1])",
+    "recycle_min_match": "the shortest n-gram match whose draft is kept (default 1)",
+    "recycle_widen": "true (default): requests that keep an n-gram draft get recycling's other first tokens after it",
     "width_cycle": "diagnostic: verify at these widths in turn, one step each, drafting what fits (a sweep of "
                    "the step cost by width: the NGRAMSPEC_PROFILE durations); replaces the controller",
 }
@@ -85,6 +93,11 @@ class AdaptiveConfig:
     plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
     prefetch: bool = False
     preplan: bool = False
+    recycle: bool = False
+    recycle_topk: int = 8
+    recycle_branching: tuple[int, ...] = (4, 1, 1, 1)
+    recycle_min_match: int = 1
+    recycle_widen: bool = True
     width_cycle: tuple[int, ...] | None = None
     plain_forwards_auto: bool = field(default=False, init=False)
 
@@ -110,6 +123,17 @@ class AdaptiveConfig:
             raise ValueError(f"prefetch must be true or false, got {self.prefetch!r}")
         if not isinstance(self.preplan, bool):
             raise ValueError(f"preplan must be true or false, got {self.preplan!r}")
+        for name in ("recycle", "recycle_widen"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("recycle_topk", "recycle_min_match"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        branching = self.recycle_branching
+        if (isinstance(branching, (str, bytes)) or not isinstance(branching, (list, tuple)) or not branching
+                or any(not _is_int(b) or b < 1 for b in branching)):
+            raise ValueError(f"recycle_branching must be a non-empty list of ints >= 1, got {branching!r}")
+        object.__setattr__(self, "recycle_branching", tuple(int(b) for b in branching))
         if not isinstance(self.tree, bool):
             raise ValueError(f"tree must be true or false, got {self.tree!r}")
         if not isinstance(self.controller, Mapping):
@@ -213,5 +237,10 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         plain_forwards_max_batch=data.get("plain_forwards_max_batch", DEFAULT_PLAIN_FORWARDS_MAX_BATCH),
         prefetch=data.get("prefetch", AdaptiveConfig.prefetch),
         preplan=data.get("preplan", AdaptiveConfig.preplan),
+        recycle=data.get("recycle", AdaptiveConfig.recycle),
+        recycle_topk=data.get("recycle_topk", AdaptiveConfig.recycle_topk),
+        recycle_branching=data.get("recycle_branching", AdaptiveConfig.recycle_branching),
+        recycle_min_match=data.get("recycle_min_match", AdaptiveConfig.recycle_min_match),
+        recycle_widen=data.get("recycle_widen", AdaptiveConfig.recycle_widen),
         width_cycle=data.get("width_cycle"),
     )

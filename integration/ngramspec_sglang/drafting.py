@@ -22,6 +22,7 @@ import numpy as np
 from ngramspec.cache import DraftBatch, NgramCache
 from ngramspec.controller import AdaptiveController, FixedWidthController
 from ngramspec.layout import layout_flat
+from ngramspec.recycle import with_recycled
 
 from .backoff import ForwardsChooser
 from .config import AdaptiveConfig
@@ -191,6 +192,7 @@ class DraftPlanner:
         broadcast: Callable[[Any], Any] = _identity_broadcast,
         max_requests: int = 1024,
         layout: Callable | None = None,
+        vocab_size: int | None = None,
     ):
         self.config = config
         if cache is None:
@@ -201,6 +203,16 @@ class DraftPlanner:
         self.broadcast = broadcast
         self.layout = _default_layout if layout is None else layout
         self.stats = IntervalStats()
+        # token recycling (`recycle`): each token's latest top-k successors from the verifier's own scores
+        self.recycle_table = None
+        if config.recycle:
+            if vocab_size is None:
+                raise ValueError("recycle needs the model's vocabulary size")
+            from ngramspec.recycle import RecycleTable, bfs_template
+
+            self.recycle_table = RecycleTable(int(vocab_size), config.recycle_topk,
+                                              bfs_template(config.recycle_branching))
+        self.recycled_requests = 0  # request-steps whose draft recycling made or widened
         self._fed: dict[Hashable, int] = {}  # committed tokens the cache has seen, per request
         self._untracked: set = set()  # requests the cache had no room for: served without drafts
         self._last: dict[Hashable, tuple[int, int]] = {}  # rid -> (committed length at planning, drafted)
@@ -242,7 +254,9 @@ class DraftPlanner:
         self._steps += 1
 
         ctl = self.controller
-        if type(ctl) is AdaptiveController and not (self._untracked and any(r in self._untracked for r in rids)):
+        recycling = self.recycle_table is not None
+        if type(ctl) is AdaptiveController and not recycling and not (
+                self._untracked and any(r in self._untracked for r in rids)):
             # the fast path: commit, propose and plan for the whole batch in a few kernel calls
             switch = 0.0 if after_draft or self._wait_any is None else self._wait_ms.get(len(rids), self._wait_any)
             batch, decision = ctl.step(self.cache, rids, committed, waiting=waiting, tree=self.config.tree,
@@ -256,7 +270,18 @@ class DraftPlanner:
                 if len(t):
                     ctl.observe_tokens(r, t)
             batch = self._propose(rids)
-            decision = ctl.plan(rids, batch, waiting=waiting)
+            if not recycling:
+                decision = ctl.plan(rids, batch, waiting=waiting)
+            else:  # recycling's drafts merged into the cache's (a third source, calibrated apart)
+                batch, used = with_recycled(batch, self.recycle_table, lasts, max(1, self.config.max_width - 1),
+                                            self.config.recycle_min_match, widen=self.config.recycle_widen)
+                self.recycled_requests += used
+                if type(ctl) is AdaptiveController:
+                    switch = (0.0 if after_draft or self._wait_any is None
+                              else self._wait_ms.get(len(rids), self._wait_any))
+                    decision = ctl.plan(rids, batch, waiting=waiting, switch_cost=switch)
+                else:
+                    decision = ctl.plan(rids, batch, waiting=waiting)
         width = int(decision.width)
         self.fitted = (fit_width is not None and fit_width != width and fits_prepared(width, fit_width)
                        and self.layout is _default_layout)
@@ -271,6 +296,12 @@ class DraftPlanner:
             last[rid] = (total, k)
         self.stats.record_step(plan, drafted)
         return plan
+
+    def recycle_update(self, tokens: np.ndarray, topk: np.ndarray) -> None:
+        """Token recycling's table takes one step's scored rows: ``topk[i]`` the verifier's most likely tokens after
+        ``tokens[i]`` (no-op without `recycle`)."""
+        if self.recycle_table is not None and len(tokens):
+            self.recycle_table.update(tokens, topk)
 
     def prefetch(self, rids: Sequence[Hashable]) -> None:
         """Warm the CPU caches for the next `plan` of the batch ``rids`` while the host would otherwise wait on

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Optional
 
 import numpy as np
@@ -58,6 +59,7 @@ from .worker_startup import WorkerStartup
 
 logger = logging.getLogger(__name__)
 _is_cpu = is_cpu()
+TOPK_PENDING = 32  # forwards whose scored rows wait for a flush at most (older ones are dropped, on every rank)
 
 
 class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
@@ -116,6 +118,9 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._next_roots: tuple | None = None  # (request ids, their last committed tokens on the device)
         self._last_width: int | None = None  # the width of the last drafting step (what `preplan` prepares)
         self._preplan_failed = False  # preparing a verify raised once: `preplan` is off for this server
+        # token recycling (`recycle`): each forward's scored rows (their tokens, the top-k after each) on the device,
+        # handed to the planner's table at the next step that waits for the previous step (every rank alike)
+        self._topk_pending: deque = deque(maxlen=TOPK_PENDING)
         self._forward_s = 0.0
         self._verify_parts = (0.0, 0.0, 0.0)  # the last verify's host seconds: prepare, sample, after (profile)
         self._draft_log = DraftLog.from_env(self._tp_group.rank_in_group)
@@ -138,7 +143,13 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             is_timing_rank=tp.rank_in_group == 0,
             broadcast=lambda obj: tp.broadcast_object(obj, src=0),
             max_requests=self._max_requests,
+            vocab_size=self._vocab_size() if self.config.recycle else None,
         )
+
+    def _vocab_size(self) -> int:
+        """Rows of token recycling's table: the model's vocabulary (its logits' width, padding included)."""
+        config = self.model_runner.model_config
+        return int(getattr(config, "vocab_size", 0) or config.hf_config.vocab_size)
 
     def _maybe_preplan(self, batch: ScheduleBatch, width: int | None):
         """With `preplan` on: the verify at ``width`` prepared before the wait (`_preplan_verify`), or None."""
@@ -155,6 +166,19 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         if pre is None:
             self._count_preplan("unavailable")
         return pre
+
+    def _flush_topk(self) -> None:
+        """The scored rows of the steps since the last flush into the recycling table (after a wait: they are
+        done). Rows naming a token outside the table (padded vocabulary) are left out."""
+        table = self.planner.recycle_table
+        if table is None:
+            self._topk_pending.clear()
+            return
+        while self._topk_pending:
+            tokens, topk = self._topk_pending.popleft()
+            tokens, topk = tokens.cpu().numpy(), topk.cpu().numpy()
+            ok = (tokens < table.vocab_size) & (topk < table.vocab_size).all(axis=1) & (tokens >= 0)
+            self.planner.recycle_update(tokens[ok], topk[ok])
 
     def _count_preplan(self, outcome: str) -> None:
         if self._profile is not None:
@@ -197,6 +221,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._backoff.reset()
         self._next_roots = None
         self._last_width = None
+        self._topk_pending.clear()
 
     def add_external_corpus(self, corpus_id, token_chunks):
         raise NotImplementedError("NGRAM_ADAPTIVE has no external corpus; use --speculative-algorithm NGRAM")
@@ -275,6 +300,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
                 self.planner.prefetch(rids)
         t_views = time.perf_counter()
         views = request_views(batch, relayed and not lagging, relayed_rids, relay=relay)
+        if relayed and not lagging:
+            self._flush_topk()  # every step before this one is done: its scores are on the host at once
         t_planner = time.perf_counter()
         # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
         plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last,
@@ -290,6 +317,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             t1 = time.perf_counter()
             views = request_views(batch, True, relayed_rids, relay=relay)
             waited = time.perf_counter() - t1
+            self._flush_topk()
             plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last,
                                      fit_width=pre.width if pre is not None else None)
             lagging = False

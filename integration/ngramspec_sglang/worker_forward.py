@@ -131,6 +131,7 @@ class WorkerForward:
                 if orig_seq_lens is not None:
                     batch.orig_seq_lens = orig_seq_lens + (i + 1)
                 batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)
+                self._keep_topk(input_ids, batch_result.logits_output, None)
                 tokens = batch_result.next_token_ids
                 predicts.append(tokens)
         finally:
@@ -324,6 +325,8 @@ class WorkerForward:
         bs, width = len(batch.reqs), plan.width
         with get_spec().override(speculative_num_draft_tokens=width):
             logits_output, can_run_cuda_graph = batch_result.logits_output, batch_result.can_run_cuda_graph
+            # before sampling, which may scale the logits in place: the rows of the root and the real drafts
+            self._keep_topk(verify_input.draft_token, logits_output, plan)
             grammar_mask = None
             if batch.has_grammar:
                 host = self.grammar_tree_host
@@ -378,6 +381,23 @@ class WorkerForward:
                               batch_result.can_run_cuda_graph, self.max_width)
         result.next_token_ids = predict
         return result
+
+    def _keep_topk(self, tokens: torch.Tensor, logits_output, plan) -> None:
+        """Token recycling (`recycle`): the top-k tokens after each scored row of this forward and the row's token,
+        kept on the device (`_flush_topk` hands them to the table). ``plan``: a verify's (its padding rows are
+        left out); None: a decode forward, one row per request."""
+        if not self.config.recycle or logits_output is None or logits_output.next_token_logits is None:
+            return
+        logits = logits_output.next_token_logits
+        if plan is not None:
+            w = plan.width
+            rows = np.concatenate([i * w + np.arange(int(d) + 1) for i, d in enumerate(plan.drafted)])
+            index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
+            logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
+        else:
+            tokens = tokens[: logits.shape[0]]
+        k = min(self.config.recycle_topk, logits.shape[-1])
+        self._topk_pending.append((tokens.clone(), torch.topk(logits, k, dim=-1).indices.to(torch.int32)))
 
     def _result(self, logits_output, accept_tokens, accept_lens, new_seq_lens, can_run_cuda_graph, width):
         return GenerationBatchResult(

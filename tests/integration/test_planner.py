@@ -487,3 +487,28 @@ def test_a_plan_far_from_the_prepared_width_keeps_its_own(width, fit_width):
     (_, own), (p1, plan) = _fit_pair(width, fit_width)
     assert plan.width == width and not p1.fitted
     assert plan.tokens.tolist() == own.tokens.tolist() and plan.drafted.tolist() == own.drafted.tolist()
+
+
+def test_recycling_drafts_where_the_ngram_cache_has_nothing():
+    """With `recycle`, the planner keeps a token-recycling table (`recycle_update`: a step's scored rows) and a
+    request the n-gram cache cannot draft for gets the table's tree, which the controller plans over (here a fixed
+    width: all of it; the adaptive controller takes the same merged batch)."""
+    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, capacity=1 << 16, recycle=True, recycle_topk=2,
+                         recycle_branching=(2, 1))
+    with pytest.raises(ValueError, match="vocabulary"):
+        DraftPlanner(cfg)
+    for controller in (FixedWidthController(8), None):
+        p = DraftPlanner(cfg, controller=controller, vocab_size=64)
+        p.recycle_update(np.array([9, 20, 21]), np.array([[20, 21], [30, 31], [40, 41]]))
+        plan = p.plan([RequestView("r", [1, 2, 3, 9], [])])  # 9 is new to the cache: no n-gram draft
+        assert p.recycled_requests == 1 and p.cache.propose(["r"], 7).offsets[-1] == 0
+        if controller is not None:
+            assert plan.width == 8 and int(plan.drafted[0]) == 4
+            assert plan.tokens[0, :5].tolist() == [9, 20, 21, 30, 40]  # the root, its two candidates, theirs
+    untouched = DraftPlanner(AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, capacity=1 << 16))
+    assert untouched.recycle_table is None
+    untouched.recycle_update(np.array([9]), np.array([[20, 21]]))  # no table: nothing to update
+    for bad in ({"recycle": 1}, {"recycle_topk": 0}, {"recycle_branching": []}, {"recycle_branching": "4-1"},
+                {"recycle_min_match": 0}, {"recycle_widen": "yes"}):
+        with pytest.raises(ValueError, match="recycle"):
+            AdaptiveConfig(widths=(1, 2), **bad)

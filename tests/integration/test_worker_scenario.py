@@ -30,6 +30,10 @@ FAIL = {"fail_load": ("load", 6), "fail_replay": ("replay", 6)}  # what raises, 
 CONFIGS.update({"logprobs": {"widths": [1, 2, 4, 8, 16]}, "logprobs_preplan": {"widths": [1, 2, 4, 8, 16],
                                                                                "preplan": True}})
 LOGPROB_EVERY = {"logprobs": 3, "logprobs_preplan": 3}  # every third step a request of the batch wants logprobs
+CONFIGS.update({"recycle": {"widths": [1, 2, 4, 8, 16], "recycle": True},
+                "recycle_fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True,
+                                            "recycle": True, "recycle_min_match": 3}})
+RECYCLE = ("recycle", "recycle_fixed16_preplan")
 ABORT_AT = {"abort_preplan": 9, "abort_fixed16_preplan": 5}  # the step at which the second request leaves
 JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6}  # the step a fourth request joins before
 
@@ -100,6 +104,16 @@ def test_batches_that_return_logprobs_mix_with_drafting_ones(results, name):
     assert len(r["logprob_steps"]) == r["logprob_batches"]
     assert all(wants and not prepared for wants, _, prepared in r["logprob_steps"])
     assert 1 in {w for _, w, _ in r["logprob_steps"]}
+
+
+@pytest.mark.parametrize("name", RECYCLE)
+def test_recycling_learns_from_the_verifiers_scores_and_stays_exact(results, name):
+    """With `recycle`, every forward's scored rows reach the planner's table at the next step that waits, and the
+    table's drafts join the n-gram ones; outputs stay exact (with preplan too)."""
+    r = results[name]
+    assert r["outputs_equal_truth"] and r["recycle_rows"] > 100 and r["recycled_requests"] > 0
+    others = [n for n in CONFIGS if n not in RECYCLE]
+    assert all(results[n]["recycle_rows"] == 0 and results[n]["recycled_requests"] == 0 for n in others)
 
 
 @pytest.mark.parametrize("name", list(FAIL))

@@ -26,6 +26,7 @@ import json
 import sys
 import tempfile
 import types
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+VOCAB = 512  # the scripted model's vocabulary (its tokens are 1..499)
 
 
 class _Anything:
@@ -168,7 +170,7 @@ class Scripted:
         if not is_verify:  # a DECODE forward: the next token of each request's last one
             pos = source.seq_lens - 1
             nxt = [self.next_token(r.rid, int(p)) for r, p in zip(batch.reqs, pos)]
-            return SimpleNamespace(logits_output=None, can_run_cuda_graph=True,
+            return SimpleNamespace(logits_output=self.logits(nxt), can_run_cuda_graph=True,
                                    next_token_ids=torch.tensor(nxt, dtype=torch.int64))
         spec = source.spec_info
         if forward_batch is not None and self.fail == "replay":
@@ -190,7 +192,19 @@ class Scripted:
             self.host_lens_checks.append(bool(torch.equal(batch.seq_lens_cpu.to(torch.int64),
                                                           batch.seq_lens.to(torch.int64))))
         self.verify_reads.append(forward_batch is not None)
-        return SimpleNamespace(logits_output=None, can_run_cuda_graph=True)
+        bs, w = len(source.reqs), spec.draft_token_num
+        rows = [self.next_token(source.reqs[j // w].rid, int(spec.positions[j])) for j in range(bs * w)]
+        return SimpleNamespace(logits_output=self.logits(rows), can_run_cuda_graph=True)
+
+    @staticmethod
+    def logits(best):
+        """Logits whose argmax at row i is ``best[i]``, then the next token ids in order."""
+        out = torch.zeros((len(best), VOCAB))
+        for i, t in enumerate(best):
+            out[i, t] = 10.0
+            out[i, (t + 1) % VOCAB] = 5.0
+            out[i, (t + 2) % VOCAB] = 4.0
+        return SimpleNamespace(next_token_logits=out)
 
 
 class FakeRunner:
@@ -227,7 +241,8 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
     w._target_worker = SimpleNamespace(forward_batch_generation=world.forward)
     w.model_runner = SimpleNamespace(attn_backend=None, decode_cuda_graph_runner=None, watermark_state=None)
     w.device = "cpu"
-    w.planner = DraftPlanner(config)
+    w.planner = DraftPlanner(config, vocab_size=VOCAB if config.recycle else None)
+    w._topk_pending = deque(maxlen=worker_mod.TOPK_PENDING)
     w._state = None
     w._prev_decode_rids, w._relayed_rids = set(), set()
     w.waiting_requests = 0
@@ -410,7 +425,9 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             "verifies": len(world.verify_reads), "mask_checks": world.mask_checks,
             "host_lens_checks": world.host_lens_checks, "logprob_steps": world.logprob_steps,
             "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
-            "preplan_failed": worker._preplan_failed}
+            "preplan_failed": worker._preplan_failed, "recycled_requests": worker.planner.recycled_requests,
+            "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
+                             if worker.planner.recycle_table is not None else 0)}
 
 
 def relay_rows(relay, idx, stride):
