@@ -22,7 +22,7 @@ import numpy as np
 from ngramspec.cache import DraftBatch, NgramCache
 from ngramspec.controller import AdaptiveController, FixedWidthController
 from ngramspec.layout import layout_flat
-from ngramspec.recycle import with_recycled
+from ngramspec.recycle import RecycleTable, bfs_template, with_recycled
 
 from .backoff import ForwardsChooser
 from .config import AdaptiveConfig
@@ -208,8 +208,6 @@ class DraftPlanner:
         if config.recycle:
             if vocab_size is None:
                 raise ValueError("recycle needs the model's vocabulary size")
-            from ngramspec.recycle import RecycleTable, bfs_template
-
             self.recycle_table = RecycleTable(int(vocab_size), config.recycle_topk,
                                               bfs_template(config.recycle_branching))
         self.recycled_requests = 0  # request-steps whose draft recycling made or widened
@@ -255,10 +253,10 @@ class DraftPlanner:
 
         ctl = self.controller
         recycling = self.recycle_table is not None
+        switch = 0.0 if after_draft or self._wait_any is None else self._wait_ms.get(len(rids), self._wait_any)
         if type(ctl) is AdaptiveController and not recycling and not (
                 self._untracked and any(r in self._untracked for r in rids)):
             # the fast path: commit, propose and plan for the whole batch in a few kernel calls
-            switch = 0.0 if after_draft or self._wait_any is None else self._wait_ms.get(len(rids), self._wait_any)
             batch, decision = ctl.step(self.cache, rids, committed, waiting=waiting, tree=self.config.tree,
                                        switch_cost=switch)
         else:
@@ -270,18 +268,14 @@ class DraftPlanner:
                 if len(t):
                     ctl.observe_tokens(r, t)
             batch = self._propose(rids)
-            if not recycling:
-                decision = ctl.plan(rids, batch, waiting=waiting)
-            else:  # recycling's drafts merged into the cache's (a third source, calibrated apart)
+            if recycling:  # recycling's drafts merged into the cache's (a third source, calibrated apart)
                 batch, used = with_recycled(batch, self.recycle_table, lasts, max(1, self.config.max_width - 1),
                                             self.config.recycle_min_match, widen=self.config.recycle_widen)
                 self.recycled_requests += used
-                if type(ctl) is AdaptiveController:
-                    switch = (0.0 if after_draft or self._wait_any is None
-                              else self._wait_ms.get(len(rids), self._wait_any))
-                    decision = ctl.plan(rids, batch, waiting=waiting, switch_cost=switch)
-                else:
-                    decision = ctl.plan(rids, batch, waiting=waiting)
+            if recycling and type(ctl) is AdaptiveController:
+                decision = ctl.plan(rids, batch, waiting=waiting, switch_cost=switch)
+            else:
+                decision = ctl.plan(rids, batch, waiting=waiting)
         width = int(decision.width)
         self.fitted = (fit_width is not None and fit_width != width and fits_prepared(width, fit_width)
                        and self.layout is _default_layout)

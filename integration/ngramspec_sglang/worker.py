@@ -152,14 +152,13 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         return int(getattr(config, "vocab_size", 0) or config.hf_config.vocab_size)
 
     def _maybe_preplan(self, batch: ScheduleBatch, width: int | None):
-        """With `preplan` on: the verify at ``width`` prepared before the wait (`_preplan_verify`), or None."""
-        if not self.config.preplan or self._preplan_failed or _is_cpu or width is None or width <= 1:
+        """The verify at ``width`` prepared before the wait (`_preplan_verify`; the callers check `preplan`), or
+        None."""
+        if self._preplan_failed or _is_cpu or width is None or width <= 1:
             return None
-        saved = (batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info)
         try:
-            pre = self._preplan_verify(batch, width)
+            pre = self._preplan_verify(batch, width)  # the batch as it was if it raises
         except Exception:  # an SGLang the option does not fit: serve on without it, as if it were off
-            batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
             self._preplan_failed = True
             logger.exception("NGRAM_ADAPTIVE: preparing a verify before the wait failed; preplan is off from now")
             return None
@@ -170,10 +169,9 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
     def _flush_topk(self) -> None:
         """The scored rows of the steps since the last flush into the recycling table (after a wait: they are
         done). Rows naming a token outside the table (padded vocabulary) are left out."""
-        table = self.planner.recycle_table
-        if table is None:
-            self._topk_pending.clear()
+        if not self._topk_pending:
             return
+        table = self.planner.recycle_table
         while self._topk_pending:
             tokens, topk = self._topk_pending.popleft()
             tokens, topk = tokens.cpu().numpy(), topk.cpu().numpy()

@@ -60,6 +60,11 @@ class PrePlan:
     mask_index: torch.Tensor | None = None  # the tree cells of the mask buffer, its ones written (None: not yet)
 
 
+def _restore(batch: ScheduleBatch, saved: tuple) -> None:
+    """The batch fields a prepared verify replaces, put back (forward mode, input ids, KV slots, spec info)."""
+    batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
+
+
 class WorkerForward:
     """`NgramAdaptiveWorker`'s forwards (a mixin placed before `NGRAMWorker`)."""
 
@@ -229,7 +234,8 @@ class WorkerForward:
         (`_forward_verify` with the returned plan) reach the graph: input ids and positions are copied at replay,
         the mask is written straight into the attention backend's verify-mask buffer, which the graph reads.
         None (the batch untouched) where that does not hold: no CUDA graph at this width or batch size, a backend
-        without a verify-mask buffer, or a batch the plain path would not serve."""
+        without a verify-mask buffer, or a batch the plain path would not serve. If it raises, the batch is as it
+        was too."""
         state = self._width_states.get(width)
         if state is None or state[1] is None or not self._simple_batch(batch):
             return None
@@ -242,25 +248,30 @@ class WorkerForward:
         saved = (batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info)
         self._activate(state, width)
         buffers = self._verify_buffers(bs, width)
-        with get_spec().override(speculative_num_draft_tokens=width):
-            # the graph runner copies the batch's mask into the buffer while loading: here the buffer onto itself
-            verify_input = self._verify_batch(batch, width, buffers, buf[: width * width])
-            forward_batch = ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=None,
-                                                  return_hidden_states_before_norm=False)
-            if not runner.can_run_graph(forward_batch):
-                batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
-                return None
-            runner.load_batch(forward_batch)
-            forward_batch.mark_forward_metadata_ready()
-            # the mask's ones and the tree cells too: a bound on each request's KV length from the host's tokens
-            # (the previous step committed at most max_width more than the scheduler has processed)
-            bound = sum(len(req.origin_input_ids) + len(req.output_ids) for req in batch.reqs) + bs * self.max_width
-            mask_index = prefill_verify_mask(buf, batch.seq_lens[:bs], width, width * bound + width * width * bs)
+        try:
+            with get_spec().override(speculative_num_draft_tokens=width):
+                # the graph runner copies the batch's mask into the buffer while loading: here the buffer onto itself
+                verify_input = self._verify_batch(batch, width, buffers, buf[: width * width])
+                forward_batch = ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=None,
+                                                      return_hidden_states_before_norm=False)
+                if not runner.can_run_graph(forward_batch):
+                    _restore(batch, saved)
+                    return None
+                runner.load_batch(forward_batch)
+                forward_batch.mark_forward_metadata_ready()
+                # the mask's ones and the tree cells too: a bound on each request's KV length from the host's
+                # tokens (the previous step committed at most max_width more than the scheduler has processed)
+                bound = (sum(len(req.origin_input_ids) + len(req.output_ids) for req in batch.reqs)
+                         + bs * self.max_width)
+                mask_index = prefill_verify_mask(buf, batch.seq_lens[:bs], width, width * bound + width * width * bs)
+        except Exception:
+            _restore(batch, saved)
+            raise
         return PrePlan(width, forward_batch, verify_input, buffers, buf, saved, mask_index)
 
     def _drop_preplan(self, batch: ScheduleBatch, pre: PrePlan) -> None:
         """Give the batch back as it was before `_preplan_verify` (the plan chose another way to run the step)."""
-        batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = pre.saved
+        _restore(batch, pre.saved)
 
     def _forward_verify(self, batch: ScheduleBatch, plan, seq_lens_host: list, on_publish, pp_proxy_tensors,
                         pre: PrePlan | None = None):
