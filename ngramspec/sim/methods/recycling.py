@@ -16,36 +16,56 @@ from __future__ import annotations
 import numpy as np
 
 from ngramspec.sim.methods import EMPTY_DRAFT, Method, positive_int, register_method
+from ngramspec.sim.methods.adaptive import AdaptiveMethod
 from ngramspec.sim.methods.ngramspec_static import make_cache
 
 
-class Recycle(Method):
+class _Table:
+    """What both recycling methods share: the table (one for all requests), each request's last token (the root
+    of its next draft) and the scores of the positions that produced the tokens a step commits."""
+
     uses_scores = True
 
-    def __init__(self, k: int = 8, branching: str = "4-2-2-1-1-1", topk: int = 8, vocab: int = 1 << 18,
-                 ngram: bool = False, depth: int | None = None, min_match: int = 1):
+    def _init_table(self, branching: str, topk: int, vocab: int) -> None:
         from ngramspec.recycle import RecycleTable, bfs_template
 
-        self.k = positive_int(k, "recycle k")
         try:
             widths = [int(b) for b in str(branching).split("-")]
         except ValueError:
             raise ValueError(f"branching must look like 4-2-2-1, got {branching!r}") from None
         self.table = RecycleTable(positive_int(vocab, "recycle vocab"), positive_int(topk, "recycle topk"),
                                   bfs_template(widths))
+        self._last: dict = {}  # rid -> its last committed token (the root of its next draft)
+
+    def _warm_table(self) -> None:
+        self.table.update(np.zeros(1, np.int32), np.zeros((1, self.table.k), np.int32))
+        self.table.draft(0, 2)
+        self.table.succ[0] = -1
+
+    def see_scores(self, rid, rows):
+        self._rows = rows[:, :self.table.k]  # one row per token `update` commits next
+
+    def _learn(self, rid, committed) -> None:
+        # the row of each committed token's predecessor (the request's last token, then the committed ones)
+        self.table.update(np.concatenate(([self._last[rid]], committed[:-1])), self._rows)
+        self._last[rid] = int(committed[-1])
+
+
+class Recycle(_Table, Method):
+    def __init__(self, k: int = 8, branching: str = "4-2-2-1-1-1", topk: int = 8, vocab: int = 1 << 18,
+                 ngram: bool = False, depth: int | None = None, min_match: int = 1):
+        self.k = positive_int(k, "recycle k")
+        self._init_table(branching, topk, vocab)
         self.ngram = bool(ngram)
         self.min_match = positive_int(min_match, "min_match")
         self.cache = make_cache(depth) if self.ngram else None
-        self._last: dict = {}  # rid -> its last committed token (the root of its next draft)
         self.from_ngram = self.from_recycle = 0  # steps drafted by each source
 
     def warmup(self):
         from ngramspec.warmup import warm_up
 
         warm_up()
-        self.table.update(np.zeros(1, np.int32), np.zeros((1, self.table.k), np.int32))
-        self.table.draft(0, 2)
-        self.table.succ[0] = -1
+        self._warm_table()
 
     def start(self, rid, prompt):
         self._last[rid] = int(prompt[-1])
@@ -69,13 +89,8 @@ class Recycle(Method):
                     self.from_recycle += 1
         return out
 
-    def see_scores(self, rid, rows):
-        self._rows = rows[:, :self.table.k]  # one row per token `update` commits next
-
     def update(self, rid, committed, n_accepted):
-        # the row of each committed token's predecessor (the request's last token, then the committed ones)
-        self.table.update(np.concatenate(([self._last[rid]], committed[:-1])), self._rows)
-        self._last[rid] = int(committed[-1])
+        self._learn(rid, committed)
         if self.cache is not None:
             self.cache.add_tokens(rid, committed)
 
@@ -100,52 +115,28 @@ register_method("ngramspec-recycle", _ngram_recycle, "ngramspec-tree's drafts wh
                 "token recycling's elsewhere (needs a trace with topk)")
 
 
-class AdaptiveRecycle(Method):
+class AdaptiveRecycle(_Table, AdaptiveMethod):
     """`ngramspec-adaptive-recycle`: `ngramspec-adaptive` (the controller picks width and prefix) over the n-gram
     cache's drafts, with recycling's draft (`ngramspec.recycle.with_recycled`, source 2) where the cache has no
     match of ``min_match`` tokens. The controller's verbs one by one (`observe_batch`, `plan`) around the merge,
     where `ngramspec-adaptive` runs them in one `step`."""
 
-    uses_scores = True
-    profile_dependent = True
-
     def __init__(self, max_width: int = 16, branching: str = "4-1-1-1", topk: int = 8, vocab: int = 1 << 18,
                  depth: int = 16, min_match: int = 1, recycle: int = 1, widen: int = 0, **adaptive):
-        from ngramspec.recycle import RecycleTable, bfs_template
-        from ngramspec.sim.methods.adaptive import AdaptiveMethod
-
-        self.inner = AdaptiveMethod(max_width=max_width, depth=depth, **adaptive)
-        self.ctl, self.cache = self.inner.ctl, self.inner.cache
-        try:
-            widths = [int(b) for b in str(branching).split("-")]
-        except ValueError:
-            raise ValueError(f"branching must look like 4-1-1-1, got {branching!r}") from None
-        self.table = RecycleTable(positive_int(vocab, "recycle vocab"), positive_int(topk, "recycle topk"),
-                                  bfs_template(widths))
+        super().__init__(max_width=max_width, depth=depth, **adaptive)
+        self._init_table(branching, topk, vocab)
         self.recycle = bool(int(recycle))  # 0: the same verbs without recycling (its control)
         self.min_match = positive_int(min_match, "min_match")
         self.widen = bool(int(widen))  # also after every n-gram draft (`with_recycled`'s widen)
         self.budget = max(1, self.ctl.widths[-1] - 1)
-        self._last: dict = {}
-        self._committed: dict = {}
-        self._width = 1
         self.from_recycle = 0
 
     def warmup(self):
-        self.inner.warmup()
-        self.table.update(np.zeros(1, np.int32), np.zeros((1, self.table.k), np.int32))
-        self.table.draft(0, 2)
-        self.table.succ[0] = -1
-
-    def bind_profile(self, profile):
-        self.inner.bind_profile(profile)
-
-    def close(self):
-        self.inner.close()
+        super().warmup()
+        self._warm_table()
 
     def start(self, rid, prompt):
-        self.cache.start_request(rid, prompt)
-        self.ctl.start(rid)
+        super().start(rid, prompt)
         self._last[rid] = int(prompt[-1])
 
     def propose(self, rids):
@@ -168,27 +159,12 @@ class AdaptiveRecycle(Method):
             out.append((batch.tokens[a:a + k].copy(), batch.parents[a:a + k].copy()))
         return out
 
-    def verify_width(self, rids, drafts):
-        return self._width
-
-    def see_scores(self, rid, rows):
-        self._rows = rows[:, :self.table.k]
-
     def update(self, rid, committed, n_accepted):
-        self.table.update(np.concatenate(([self._last[rid]], committed[:-1])), self._rows)
-        self._last[rid] = int(committed[-1])
-        self._committed[rid] = committed
-
-    def observe_step(self, batch_size, width, duration_ms):
-        self.ctl.observe_step(batch_size, width, duration_ms)
+        self._learn(rid, committed)
+        super().update(rid, committed, n_accepted)
 
     def finish(self, rid):
-        committed = self._committed.pop(rid, None)
-        if committed is not None:
-            self.cache.add_tokens(rid, committed)
-            self.ctl.observe_tokens(rid, committed)
-        self.cache.finish_request(rid, share=True)
-        self.ctl.finish(rid)
+        super().finish(rid)
         self._last.pop(rid, None)
 
 
