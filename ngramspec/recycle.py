@@ -17,7 +17,7 @@ Used by the simulator's `recycle`, `ngramspec-recycle` and `ngramspec-adaptive-r
 the model's top-k (`scripts/record_topk.py`). With the adaptive controller, `with_recycled` puts recycling's drafts
 into the n-gram cache's `DraftBatch` as source 2 (`ngramspec.controller.calibration.N_SOURCES`), each node with a
 raw conditional by its rank (`RANK_CONDITIONAL`), so that the controller calibrates their acceptance apart from the
-n-gram drafts' and picks width and prefix over both. Not yet in the SGLang plugin.
+n-gram drafts' and picks width and prefix over both. The SGLang plugin's `recycle` option does the same in the server.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ import numpy as np
 
 from ngramspec.cache import DraftBatch, NgramCache
 from ngramspec.controller import AdaptiveController, FixedWidthController
-from ngramspec.layout import layout_flat
-from ngramspec.recycle import RecycleTable, bfs_template, with_recycled
+from ngramspec.layout import accepted_path, layout_flat
+from ngramspec.recycle import RECYCLED, RecycleTable, bfs_template, with_recycled
 
 from .backoff import ForwardsChooser
 from .config import AdaptiveConfig
@@ -139,6 +139,8 @@ class IntervalStats:
     expected_tokens: float = 0.0  # the controller's expectation, bonus included
     observed_requests: int = 0
     realized_accepted: int = 0
+    drafted_recycled: int = 0  # of drafted_tokens, those token recycling drafted (`recycle`)
+    accepted_recycled: int = 0  # of realized_accepted, those token recycling drafted
 
     def record_step(self, plan: StepPlan, drafted: Sequence[int] | None = None) -> None:
         """Count a planned step; ``drafted``: ``plan.drafted`` as a list, when the caller has it."""
@@ -149,22 +151,29 @@ class IntervalStats:
         self.drafted_tokens += int(plan.drafted.sum()) if drafted is None else sum(drafted)
         self.expected_tokens += float(plan.expected_tokens)
 
-    def record_outcome(self, accepted) -> None:
-        """Draft tokens accepted per request of the last step (a sequence of ints)."""
+    def record_outcome(self, accepted, recycled: int = 0) -> None:
+        """Draft tokens accepted per request of the last step (a sequence of ints), ``recycled`` of them drafted by
+        token recycling."""
         self.observed_requests += len(accepted)
         self.realized_accepted += int(sum(accepted))
+        self.accepted_recycled += recycled
 
     def mean_width(self) -> float:
         """1 + drafted tokens per verified request: SGLang's accept rate is exact under this width."""
         return 1.0 + self.drafted_tokens / max(1, self.verified_requests)
 
     def summary(self) -> dict[str, float]:
-        n = max(1, self.verified_requests)
+        n, m = max(1, self.verified_requests), max(1, self.observed_requests)
         return {
             "mean_verify_width": self.width_tokens / n,
             "drafted_tokens_per_request": self.drafted_tokens / n,
             "predicted_accept_length": self.expected_tokens / n,
-            "realized_accept_length": 1.0 + self.realized_accepted / max(1, self.observed_requests),
+            "realized_accept_length": 1.0 + self.realized_accepted / m,
+            # by source: the n-gram cache's drafts and token recycling's, per request and step
+            "drafted_ngram_per_request": (self.drafted_tokens - self.drafted_recycled) / n,
+            "drafted_recycled_per_request": self.drafted_recycled / n,
+            "accepted_ngram_per_request": (self.realized_accepted - self.accepted_recycled) / m,
+            "accepted_recycled_per_request": self.accepted_recycled / m,
         }
 
     def reset(self) -> None:
@@ -211,6 +220,9 @@ class DraftPlanner:
             self.recycle_table = RecycleTable(int(vocab_size), config.recycle_topk,
                                               bfs_template(config.recycle_branching))
         self.recycled_requests = 0  # request-steps whose draft recycling made or widened
+        # rid -> (tokens, parents, recycled?) of the draft sent last step, where recycling drafted part of it: which
+        # source the accepted tokens came from is read from it at the next plan (metrics only)
+        self._sent: dict[Hashable, tuple[list, list, list]] = {}
         self._fed: dict[Hashable, int] = {}  # committed tokens the cache has seen, per request
         self._untracked: set = set()  # requests the cache had no room for: served without drafts
         self._last: dict[Hashable, tuple[int, int]] = {}  # rid -> (committed length at planning, drafted)
@@ -237,7 +249,7 @@ class DraftPlanner:
         if not views:
             raise ValueError("plan() needs at least one request")
         rids, totals, committed, accepted, lasts = self._collect(views)
-        self.stats.record_outcome(accepted)
+        self.stats.record_outcome(accepted, self._recycled_accepted(rids, committed) if self._sent else 0)
         if self._steps % self.config.tp_sync_interval == 0:
             samples = self.broadcast(self._local_durations if self.is_timing_rank else None) or []
             self._local_durations = []
@@ -289,7 +301,35 @@ class DraftPlanner:
         for rid, total, k in zip(rids, totals, drafted):
             last[rid] = (total, k)
         self.stats.record_step(plan, drafted)
+        if recycling:
+            self._note_sent(rids, batch, drafted)
         return plan
+
+    def _note_sent(self, rids, batch: DraftBatch, drafted: list[int]) -> None:
+        """Count the recycled nodes of the drafts sent (the first ``drafted[i]`` nodes of each) and keep the drafts
+        that have any, for `_recycled_accepted`."""
+        sent, offsets, sources, n = self._sent, batch.offsets, batch.sources, 0
+        for i, (rid, k) in enumerate(zip(rids, drafted)):
+            a = int(offsets[i])
+            recycled = sources[a:a + k] == RECYCLED
+            r = int(np.count_nonzero(recycled)) if k else 0
+            if r:
+                n += r
+                sent[rid] = (batch.tokens[a:a + k].tolist(), batch.parents[a:a + k].tolist(), recycled.tolist())
+            else:
+                sent.pop(rid, None)
+        self.stats.drafted_recycled += n
+
+    def _recycled_accepted(self, rids, committed) -> int:
+        """Of the draft tokens accepted since the last plan, how many token recycling drafted: each kept draft's
+        accepted path (`accepted_path`) over the tokens committed since (the last one is the bonus token)."""
+        n, sent = 0, self._sent
+        for rid, tokens in zip(rids, committed):
+            entry = sent.pop(rid, None)
+            if entry is not None and len(tokens) > 1:
+                draft, parents, recycled = entry
+                n += sum(recycled[j] for j in accepted_path(draft, parents, tokens[:-1]))
+        return n
 
     def recycle_update(self, tokens: np.ndarray, topk: np.ndarray) -> None:
         """Token recycling's table takes one step's scored rows: ``topk[i]`` the verifier's most likely tokens after
@@ -363,6 +403,7 @@ class DraftPlanner:
             if rid in self._fed:
                 del self._fed[rid]
                 self._last.pop(rid, None)
+                self._sent.pop(rid, None)
                 if rid in self._untracked:
                     self._untracked.discard(rid)
                 else:

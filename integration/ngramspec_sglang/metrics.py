@@ -7,6 +7,9 @@ interval SGLang's own `sglang:spec_accept_length` covers:
 - `ngramspec:drafted_tokens`: real draft tokens per request and step (width minus root minus padding).
 - `ngramspec:predicted_accept_length` / `ngramspec:realized_accept_length`: 1 + expected accepted
   drafts (sum of node probabilities of what was sent) vs 1 + drafts actually accepted.
+- `ngramspec:drafted_tokens_by_source` / `ngramspec:accepted_tokens_by_source`, label `source` ("ngram": the
+  suffix tries, "recycled": token recycling, `recycle`): draft tokens sent / accepted per request and step from
+  each source; over the sources they sum to `drafted_tokens` / `realized_accept_length` - 1.
 """
 from __future__ import annotations
 
@@ -22,6 +25,11 @@ GAUGES = {
         "1 + accepted draft tokens per step, as verified.",
     ),
 }
+BY_SOURCE = {
+    "drafted": ("ngramspec:drafted_tokens_by_source", "Draft tokens sent per request and verify step, by source."),
+    "accepted": ("ngramspec:accepted_tokens_by_source", "Draft tokens accepted per request and step, by source."),
+}
+SOURCES = ("ngram", "recycled")
 SUMMARY_KEYS = {
     "verify_width": "mean_verify_width",
     "drafted_tokens": "drafted_tokens_per_request",
@@ -42,7 +50,16 @@ class NgramspecGauges:
             for key, (name, doc) in GAUGES.items()
         }
 
+        self._by_source = {
+            key: Gauge(name=name, documentation=doc, labelnames=[*self.labels, "source"],
+                       multiprocess_mode="mostrecent")
+            for key, (name, doc) in BY_SOURCE.items()
+        }
+
     def publish(self, summary: dict[str, float]) -> None:
         for key, gauge in self._gauges.items():
             target = gauge.labels(**self.labels) if self.labels else gauge
             target.set(float(summary[SUMMARY_KEYS[key]]))
+        for key, gauge in self._by_source.items():
+            for source in SOURCES:
+                gauge.labels(**self.labels, source=source).set(float(summary[f"{key}_{source}_per_request"]))

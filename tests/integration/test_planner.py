@@ -512,3 +512,31 @@ def test_recycling_drafts_where_the_ngram_cache_has_nothing():
                 {"recycle_min_match": 0}, {"recycle_widen": "yes"}):
         with pytest.raises(ValueError, match="recycle"):
             AdaptiveConfig(widths=(1, 2), **bad)
+
+
+@pytest.mark.parametrize("s_tokens, recycled_accepted", [([13, 15, 1], 2), ([14, 2], 1), ([2], 0)])
+def test_the_stats_say_which_source_drafted_the_accepted_tokens(s_tokens, recycled_accepted):
+    """With `recycle`, the interval stats split drafted and accepted draft tokens by source (the gauges'
+    `*_by_source`): "r" drafts from the n-gram cache and accepts 2 of its nodes, "s" from recycling's tree
+    13 -> 15, 14, whose accepted path is read from the tokens it committed (the last one is the bonus token)."""
+    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, capacity=1 << 16, recycle=True, recycle_topk=2,
+                         recycle_branching=(2, 1))
+    p = DraftPlanner(cfg, controller=FixedWidthController(8), vocab_size=64)
+    p.recycle_update(np.array([12, 13]), np.array([[13, 14], [15, 16]]))
+    plan = p.plan([RequestView("r", [3, 9, 4, 3], []), RequestView("s", [11, 12], [])])
+    assert plan.tokens[0, 1:3].tolist() == [9, 4] and plan.tokens[1, :4].tolist() == [12, 13, 14, 15]
+    assert plan.drafted.tolist() == [7, 3] and p.stats.drafted_recycled == 3
+    p.plan([RequestView("r", [3, 9, 4, 3], [9, 4, 5]), RequestView("s", [11, 12], s_tokens)])
+    st, summary = p.stats, p.stats.summary()
+    assert (st.realized_accepted, st.accepted_recycled) == (2 + recycled_accepted, recycled_accepted)
+    assert summary["accepted_recycled_per_request"] == recycled_accepted / 2
+    assert summary["accepted_ngram_per_request"] == 1.0
+    assert summary["drafted_recycled_per_request"] + summary["drafted_ngram_per_request"] == \
+        summary["drafted_tokens_per_request"]
+    p.release(["r", "s"])
+    assert not p._sent
+    plain = DraftPlanner(AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, capacity=1 << 16),
+                         controller=FixedWidthController(8))
+    plain.plan([RequestView("r", [3, 9, 4, 3], [])])
+    plain.plan([RequestView("r", [3, 9, 4, 3], [9, 4, 5])])
+    assert (plain.stats.realized_accepted, plain.stats.accepted_recycled, plain.stats.drafted_recycled) == (2, 0, 0)

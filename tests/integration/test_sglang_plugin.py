@@ -232,12 +232,17 @@ def test_our_gauges_export_the_interval_summary():
     from ngramspec_sglang.metrics import NgramspecGauges
 
     stats = IntervalStats(verify_steps=2, verified_requests=4, width_tokens=40, drafted_tokens=30,
-                          expected_tokens=9.0, observed_requests=4, realized_accepted=6)
+                          expected_tokens=9.0, observed_requests=4, realized_accepted=6, drafted_recycled=10,
+                          accepted_recycled=4)
     NgramspecGauges().publish(stats.summary())
     assert REGISTRY.get_sample_value("ngramspec:verify_width") == 10.0
     assert REGISTRY.get_sample_value("ngramspec:drafted_tokens") == 7.5
     assert REGISTRY.get_sample_value("ngramspec:predicted_accept_length") == 2.25
     assert REGISTRY.get_sample_value("ngramspec:realized_accept_length") == 2.5
+    by_source = {(name, source): REGISTRY.get_sample_value(f"ngramspec:{name}_tokens_by_source", {"source": source})
+                 for name in ("drafted", "accepted") for source in ("ngram", "recycled")}
+    assert by_source == {("drafted", "ngram"): 5.0, ("drafted", "recycled"): 2.5, ("accepted", "ngram"): 0.5,
+                         ("accepted", "recycled"): 1.0}
 
 
 def test_run_batch_hook_tells_the_worker_the_queue_length(plugin):

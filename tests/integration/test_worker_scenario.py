@@ -114,6 +114,15 @@ def test_recycling_learns_from_the_verifiers_scores_and_stays_exact(results, nam
     assert r["outputs_equal_truth"] and r["recycle_rows"] > 100 and r["recycled_requests"] > 0
     others = [n for n in CONFIGS if n not in RECYCLE]
     assert all(results[n]["recycle_rows"] == 0 and results[n]["recycled_requests"] == 0 for n in others)
+    # the metrics' split by source: recycling's share of what was drafted and accepted, none without it
+    # (the adaptive controller may keep none of recycling's nodes on this scripted text; width 16 sends them all)
+    st = r["stats"]
+    assert st["accepted_recycled"] <= min(st["drafted_recycled"], st["realized_accepted"])
+    assert st["drafted_recycled"] < st["drafted_tokens"]
+    if CONFIGS[name].get("fixed_width"):
+        assert st["accepted_recycled"] > 0
+    assert all(results[n]["stats"]["drafted_recycled"] == results[n]["stats"]["accepted_recycled"] == 0
+               for n in others)
 
 
 @pytest.mark.parametrize("name", list(FAIL))

@@ -427,7 +427,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
             "preplan_failed": worker._preplan_failed, "recycled_requests": worker.planner.recycled_requests,
             "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
-                             if worker.planner.recycle_table is not None else 0)}
+                             if worker.planner.recycle_table is not None else 0),
+            "stats": dict(worker.planner.stats.__dict__)}
 
 
 def relay_rows(relay, idx, stride):
