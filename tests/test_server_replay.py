@@ -187,3 +187,25 @@ def test_an_unmeasured_width_grows_with_the_batch_as_a_measured_one(sr, tmp_path
     assert rows[(16, 12)]["graph_ms"] > 1.4 * rows[(1, 12)]["graph_ms"]  # the copy would be 1.0x
     assert "ratio" in rows[(16, 12)]["filled"]
     assert "filled" in rows[(16, 1)] and "ratio" not in rows[(16, 1)]["filled"]  # width 1: along the batch axis
+
+
+def test_an_unmeasured_width_lies_between_the_widths_measured_at_its_batch(sr):
+    """Batch 1 measured widths 1, 8, 12 and 16 (16 a little below 12: noise), batch 4 widths 6, 8 and 12: width 6 at
+    batch 1 is interpolated between widths 1 and 8 there (a ratio from batch 4, where width 6 is relatively dear,
+    would put it above width 8); width 16 at batch 4, scaled from width 12 by their ratio at batch 1, would cost less
+    than width 12 there, and is held at width 12's cost."""
+    bench = synthetic_bench()
+    measured = {(1, 8): 10.0, (1, 12): 11.0, (1, 16): 10.5, (4, 6): 12.0, (4, 8): 12.5, (4, 12): 13.0}
+    for run in bench["adaptive_sweep"]["runs"].values():
+        durations = run["profile"]["controller"]["durations"]
+        durations.clear()
+        durations.update({f"{w}/{b}": {"n": 10, "mean_ms": ms, "min_ms": 0, "max_ms": 0}
+                          for (b, w), ms in measured.items()})
+    data, _ = sr.fit_profile(bench)
+    rows = {(r["B"], r["k"]): r for r in data["rows"]}
+    w1 = rows[(1, 1)]["graph_ms"]
+    assert rows[(1, 6)]["graph_ms"] == pytest.approx(w1 + (10.0 - w1) * 5 / 7, rel=1e-3)
+    assert "linear between widths 1 and 8" in rows[(1, 6)]["filled"]
+    assert rows[(4, 16)]["graph_ms"] == 13.0 and "bounded" in rows[(4, 16)]["filled"]  # the ratio: 12.4
+    costs = [rows[(4, w)]["graph_ms"] for w in sorted(w for b, w in rows if b == 4)]
+    assert costs == sorted(costs)  # never cheaper for a wider verify at one batch
