@@ -17,9 +17,11 @@ scheduler), `prompt_ids` and `warm_prompt_ids`.
    mean_ms, merged over the runs weighted by their sample counts) and, at batch 1, from the c1 scheduler periods
    of SGLang's NGRAM configs, which verify one fixed width every step (`ngram`: 12, `ngram8`: 8;
    --no-fixed-width leaves them out). Cells of the (batch x width) grid that were
-   not measured are filled along the batch axis from the same width's measured batches (linear between the two
-   nearest, the nearest one outside them), as the profile's piecewise-linear interpolation would; each filled
-   row says so (`filled`).
+   not measured are filled linearly between the nearest narrower and wider widths measured at the same batch,
+   else from a width measured at that batch scaled by the two widths' ratio where a batch measured both, else
+   along the batch axis from the same width's measured batches (linear between the two nearest, the nearest one
+   outside them); a filled cell never costs less than a narrower or more than a wider width measured at its batch.
+   Each filled row says how (`filled`).
 2. Replay: per run, in the server's order, the prompts with plain decoding's greedy outputs, at batch 1 (c1) or
    the concurrency (c16), under that profile: `none` (the baseline) and the method of each config present
    (`adaptive` -> ngramspec-adaptive, `ngram` -> sglang-ngram:d=12, `ngram8` -> sglang-ngram:d=8). One method
