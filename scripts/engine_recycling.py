@@ -29,17 +29,23 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=8, help="draft nodes per step")
     ap.add_argument("--topk", type=int, default=8, help="candidates the recycling table keeps per token")
     ap.add_argument("--branching", default="1-1-1-1-1-1-1-1", help="recycling's breadth-first template")
-    ap.add_argument("--min-match", type=int, default=2)
+    ap.add_argument("--min-match", default="2", help="comma-separated: each value runs ngram+recycle once")
+    ap.add_argument("--policy", choices=["tree", "adaptive"], default="tree",
+                    help="tree: trees of --k nodes every step; adaptive: NGRAM_ADAPTIVE's controller over widths up to "
+                         "--k (recycled nodes calibrated apart), timed")
+    ap.add_argument("--widen", action="store_true", help="recycling's other first tokens after a kept n-gram draft")
     ap.add_argument("--configs", default="ngram,ngram+recycle,recycle")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    min_matches = [int(m) for m in args.min_match.split(",")]
 
     import torch
 
     from ngramspec import NgramCache
     from ngramspec.engine.decode import FixedPolicy, SpecDecoder
     from ngramspec.engine.model import KVModel, load_model
+    from ngramspec.engine.policy import AdaptivePolicy
     from ngramspec.engine.prompts import chat_tokens, copy_heavy_prompts, free_text_prompts
     from ngramspec.recycle import RecycleTable, bfs_template
 
@@ -55,32 +61,42 @@ def main(argv=None) -> int:
         kv = KVModel(model, batch=1, max_len=max(map(len, prompts)) + args.max_new_tokens + args.k + 2)
         dec = SpecDecoder(kv)
         eos = tokenizer.eos_token_id
+        dec.generate([prompts[0]], args.max_new_tokens, eos_token_id=eos)  # warm-up
         t0 = time.perf_counter()
         plain = [dec.generate([p], args.max_new_tokens, eos_token_id=eos).outputs[0] for p in prompts]
-        print(f"{name}: plain {sum(map(len, plain))} tokens ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-        for config in args.configs.split(","):
+        plain_s = time.perf_counter() - t0
+        print(f"{name}: plain {sum(map(len, plain))} tokens ({plain_s:.0f} s)", file=sys.stderr)
+        runs = [(c, m) for c in args.configs.split(",") for m in (min_matches if c == "ngram+recycle" else [None])]
+        for config, min_match in runs:
             cache, table = NgramCache(), RecycleTable(vocab, args.topk, template)
-            kw = {} if config == "ngram" else {"recycle": table,
-                                               "recycle_min_match": 10**6 if config == "recycle" else args.min_match}
+            kw = {} if config == "ngram" else {"recycle": table, "recycle_widen": args.widen,
+                                               "recycle_min_match": 10**6 if config == "recycle" else min_match}
+            policy = AdaptivePolicy(args.k) if args.policy == "adaptive" else FixedPolicy(args.k, tree=True)
             tokens = steps = equal = ngram_steps = recycle_steps = 0
+            accepted = [0, 0]
             t0 = time.perf_counter()
             for i, p in enumerate(prompts):
-                res = dec.generate([p], args.max_new_tokens, policy=FixedPolicy(args.k, tree=True), cache=cache,
-                                   rids=[i], eos_token_id=eos, **kw)
+                res = dec.generate([p], args.max_new_tokens, policy=policy, cache=cache, rids=[i], eos_token_id=eos,
+                                   **kw)
                 tokens += res.new_tokens
                 steps += sum(res.steps)
                 equal += res.outputs[0] == plain[i]
                 if res.recycled:
                     ngram_steps += res.recycled[0]
                     recycle_steps += res.recycled[1]
-            row = {"set": name, "config": config, "prompts": len(prompts), "tokens": tokens, "steps": steps,
-                   "accept_length": tokens / steps, "outputs_equal_to_plain": equal,
+                    accepted = [a + b for a, b in zip(accepted, res.accepted_by_source)]
+            seconds = time.perf_counter() - t0
+            row = {"set": name, "config": config, "policy": args.policy, "prompts": len(prompts), "tokens": tokens,
+                   "steps": steps, "accept_length": tokens / steps, "outputs_equal_to_plain": equal,
                    "steps_drafted_by_ngram": ngram_steps, "steps_drafted_by_recycling": recycle_steps,
-                   "k": args.k, "branching": args.branching, "topk": args.topk, "min_match": args.min_match,
-                   "seconds": time.perf_counter() - t0}
+                   "accepted_from_ngram": accepted[0], "accepted_from_recycling": accepted[1],
+                   "k": args.k, "branching": args.branching, "topk": args.topk, "min_match": min_match,
+                   "widen": args.widen, "seconds": seconds, "speedup_vs_plain": plain_s / seconds}
             rows.append(row)
-            print(f"{name:5s} {config:14s} accept length {row['accept_length']:.3f}  outputs equal {equal}/"
-                  f"{len(prompts)}  drafted by n-gram/recycling {ngram_steps}/{recycle_steps} steps", flush=True)
+            label = config + (f" (min match {min_match})" if min_match is not None else "")
+            print(f"{name:5s} {label:30s} accept length {row['accept_length']:.3f}  speedup {plain_s / seconds:.2f}x  "
+                  f"outputs equal {equal}/{len(prompts)}  drafted by n-gram/recycling {ngram_steps}/{recycle_steps} "
+                  f"steps, accepted {accepted[0]}/{accepted[1]} tokens", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

@@ -193,6 +193,7 @@ def no_model_load(monkeypatch):
     (["demo", "--device", "tpu"], ["--device", "'tpu'", "cpu or cuda"]),
     (["demo", "--gguf", "absent.gguf"], ["--gguf absent.gguf: no such file"]),
     (["demo", "--repeats", "0"], ["--repeats must be >= 1"]),
+    (["demo", "--policy", "plain", "--recycle"], ["--recycle needs a drafting policy"]),
     (["calibrate", "--device", "tpu"], ["ngramspec calibrate: error: --device", "'tpu'"]),
     (["calibrate", "--gguf", "absent.gguf"], ["--gguf absent.gguf: no such file"]),
     (["calibrate", "--widths", "0,2"], ["--widths", ">= 1"]),
@@ -214,7 +215,7 @@ def test_demo_help_explains_every_option(capsys):
         cli.main(["demo", "--help"])
     out = capsys.readouterr().out
     options = out[out.index("options:"):].split("\n  -")[1:]
-    assert len(options) == 11
+    assert len(options) == 12
     for option in options:  # each entry: the option (and its metavar), then its help text
         assert len(option.split()) > 2, option
 

@@ -192,6 +192,24 @@ def test_demo_runs_and_reports_identical_outputs(model_and_tokenizer, tmp_path, 
     assert len(records) == 1 and 0 < len(records[0]["output"]) <= 24
 
 
+def test_demo_with_token_recycling_stays_exact_and_splits_the_accepted_tokens(model_and_tokenizer, tmp_path,
+                                                                                capsys):
+    """`--recycle`: the adaptive policy over both sources; every run of a prompt starts from the table the prompts
+    before it taught (the second prompt's runs draft from what the first one's scores put there)."""
+    from ngramspec.engine import demo
+
+    out = tmp_path / "demo.json"
+    code = demo.main(["--device", "cpu", "--max-new-tokens", "32", "--recycle", "--repeats", "1", "--show", "0",
+                      "--prompt", "Name three colours.", "--prompt", "Name three colours, then three more.",
+                      "--json-out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "token recycling" in text and "recycled" in text
+    data = json.loads(out.read_text())
+    assert data["recycle"] and all(r["identical"] for r in data["rows"])
+    accepted = [r["accepted_by_source"] for r in data["rows"]]
+    assert all(len(a) == 2 and min(a) >= 0 for a in accepted)
+
+
 @pytest.mark.slow
 def test_recorded_topk_trace_replays_with_recycling(model_and_tokenizer, tmp_path):
     """scripts/record_topk.py writes a trace whose top-k the simulator's recycling methods replay."""
@@ -218,3 +236,11 @@ def test_engine_recycling_script_reports_lossless_rows(model_and_tokenizer, tmp_
     assert [r["config"] for r in rows] == ["ngram", "ngram+recycle", "recycle"]
     assert all(r["outputs_equal_to_plain"] == 2 and r["accept_length"] >= 1.0 for r in rows)
     assert rows[2]["steps_drafted_by_ngram"] == 0 and rows[2]["steps_drafted_by_recycling"] > 0
+    assert rows[2]["accepted_from_ngram"] == 0 and rows[2]["accepted_from_recycling"] > 0
+    # the adaptive controller over both sources, one row per minimum match
+    assert load_script("engine_recycling").main(["--sets", "free", "--prompts", "2", "--max-new-tokens", "32",
+                                                 "--k", "16", "--policy", "adaptive", "--configs", "ngram+recycle",
+                                                 "--min-match", "1,3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["policy"], r["min_match"]) for r in rows] == [("adaptive", 1), ("adaptive", 3)]
+    assert all(r["outputs_equal_to_plain"] == 2 and r["speedup_vs_plain"] > 0 for r in rows)

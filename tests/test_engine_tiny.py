@@ -261,22 +261,30 @@ def test_recorded_topk_is_the_distribution_of_each_output_token(tiny_model, prom
         SpecDecoder(KVModel(tiny_model, batch=1, max_len=8), record_topk=-1)
 
 
+@pytest.mark.parametrize("spec, widen", [("tree:k=8", False), ("adaptive", False), ("adaptive", True)])
 @pytest.mark.parametrize("min_match", [1, 100])
-def test_recycling_is_lossless_and_drafts_where_the_cache_does_not(tiny_model, prompts, min_match):
+def test_recycling_is_lossless_and_drafts_where_the_cache_does_not(tiny_model, prompts, min_match, spec, widen):
+    """Recycling as a second source, with a fixed tree policy and with the adaptive controller (which calibrates
+    recycled nodes apart and plans over both sources); the accepted draft tokens are split by source."""
+    from ngramspec.engine.policy import make_policy
     from ngramspec.recycle import RecycleTable
 
     new = 24
     want = plain(tiny_model, prompts[:2], new)
     table = RecycleTable(VOCAB, k=4)
-    dec = SpecDecoder(KVModel(tiny_model, batch=2, max_len=max(map(len, prompts)) + new + 9))
-    res = dec.generate(prompts[:2], new, policy=FixedPolicy(8, tree=True), cache=NgramCache(max_depth=8),
-                       recycle=table, recycle_min_match=min_match)
+    dec = SpecDecoder(KVModel(tiny_model, batch=2, max_len=max(map(len, prompts)) + new + 17))
+    res = dec.generate(prompts[:2], new, policy=make_policy(spec), cache=NgramCache(max_depth=8),
+                       recycle=table, recycle_min_match=min_match, recycle_widen=widen)
     assert res.outputs == want
     ngram, recycled = res.recycled
     assert recycled > 0 and (ngram == 0) == (min_match == 100)  # a match of 100 never happens: recycling only
     assert (table.succ >= 0).any(axis=1).sum() > new  # the table learned rows for the verified tokens
+    from_ngram, from_recycling = res.accepted_by_source
+    assert from_ngram + from_recycling == sum(sum(r.accepted) for r in res.records)
     if min_match == 100:
-        assert sum(sum(r.accepted) for r in res.records) > 0  # the tiny model's own top-1 chains get accepted
+        assert from_ngram == 0
+        if spec.startswith("tree"):
+            assert from_recycling > 0  # the tiny model's own top-1 chains get accepted
     with pytest.raises(ValueError, match="recycle needs"):
         dec.generate(prompts[:1], 4, recycle=table)
     with pytest.raises(ValueError, match="rows for a vocabulary"):

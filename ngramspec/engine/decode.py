@@ -17,6 +17,7 @@ import torch
 
 from ngramspec.controller import AdaptiveController, Controller, FixedBudgetController
 from ngramspec.layout import greedy_walk, layout_flat
+from ngramspec.recycle import RECYCLED, with_recycled
 
 from .model import KVModel
 
@@ -57,6 +58,8 @@ class GenerationResult:
     # distribution that produced it (the model's scores at the committed position before it), [n_out, k] int32
     topk: list[np.ndarray] | None = None
     recycled: tuple[int, int] | None = None  # with `recycle`: request-steps drafted by the n-gram cache, by recycling
+    # with `recycle`: draft tokens accepted that the n-gram cache drafted, that recycling drafted
+    accepted_by_source: tuple[int, int] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -119,26 +122,6 @@ class Verifier:
         return self.kv.forward(tokens, positions, slots, mask, rows=slice(0, tokens.shape[0]))
 
 
-def _with_recycled(batch, table, roots, min_match: int, budget: int, sources: list):
-    """``batch`` (an `NgramCache` proposal) with each request whose draft is empty or grew from a match shorter than
-    ``min_match`` drafting from the recycling ``table`` instead (from its last token ``roots[j]``). ``sources``
-    counts the drafted request-steps per source."""
-    from ngramspec.cache import DraftBatch
-
-    toks, pars = [], []
-    for j, root in enumerate(roots):
-        d = batch.draft(j)
-        if len(d) and batch.match_lens[j] >= min_match:
-            t, p = d.tokens, d.parents
-            sources[0] += 1
-        else:
-            t, p = table.draft(root, budget)
-            sources[1] += len(t) > 0
-        toks.append(t)
-        pars.append(p)
-    return DraftBatch.of(toks, pars)
-
-
 class SpecDecoder:
     """Greedy decoding of a batch of prompts, with optional n-gram speculation.
 
@@ -172,7 +155,8 @@ class SpecDecoder:
     # -- decode ---------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, policy: Controller | None = None,
                  cache=None, rids: Sequence | None = None, eos_token_id: int | None = None,
-                 share: bool = True, progress=None, recycle=None, recycle_min_match: int = 1) -> GenerationResult:
+                 share: bool = True, progress=None, recycle=None, recycle_min_match: int = 1,
+                 recycle_widen: bool = False) -> GenerationResult:
         """Decode greedily up to `max_new_tokens` per prompt (fewer if `eos_token_id` is emitted).
 
         With `policy` (a `ngramspec.controller.Controller`, e.g. `FixedPolicy` or `AdaptivePolicy`; its `tree`
@@ -181,11 +165,13 @@ class SpecDecoder:
         in the cache (default 0..B-1); `share` is passed to `finish_request`. `progress` (a tqdm bar or None) is
         advanced by committed tokens.
 
-        `recycle` (a `ngramspec.recycle.RecycleTable`, with a policy that plans from its drafts alone, such as
-        `FixedPolicy`): token recycling as a second source. After every step the table takes the model's top-k at
-        every row it verified (the root and each draft node, accepted or not); a request whose n-gram draft is
-        empty or grew from a match shorter than `recycle_min_match` tokens drafts from the table instead.
-        `GenerationResult.recycled` counts the steps each source drafted.
+        `recycle` (a `ngramspec.recycle.RecycleTable`): token recycling as a second source. After every step the
+        table takes the model's top-k at every row it verified (the root and each draft node, accepted or not); a
+        request whose n-gram draft is empty or grew from a match shorter than `recycle_min_match` tokens drafts from
+        the table instead (`ngramspec.recycle.with_recycled`; `recycle_widen`: a kept n-gram draft is followed by
+        the table's other first tokens); an `AdaptiveController` calibrates recycled nodes apart and plans over
+        both. `GenerationResult.recycled` counts the request-steps each source drafted, `accepted_by_source` the
+        draft tokens each had accepted.
         """
         B = len(prompts)
         if not 1 <= B <= self.kv.batch:
@@ -194,8 +180,8 @@ class SpecDecoder:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if (policy is None) != (cache is None):
             raise ValueError("policy and cache go together: both for speculation, neither for plain greedy")
-        if recycle is not None and (policy is None or callable(getattr(policy, "step", None))):
-            raise ValueError("recycle needs a policy that plans from the drafts it is given (e.g. FixedPolicy)")
+        if recycle is not None and policy is None:
+            raise ValueError("recycle needs a policy (and a cache): it is a draft source")
         if recycle is not None and recycle.vocab_size < self.kv.shape.vocab:
             raise ValueError(f"the recycling table has {recycle.vocab_size} rows for a vocabulary of "
                              f"{self.kv.shape.vocab}")
@@ -234,11 +220,12 @@ class SpecDecoder:
         outputs: list[list[int]] = [[] for _ in range(B)]
         topk_rows: list[list[np.ndarray]] | None = [[] for _ in range(B)] if self.record_topk else None
         sources = [0, 0]  # steps of a request drafted by the n-gram cache, by the recycling table
+        accepted_by = [0, 0]  # draft tokens accepted from the n-gram cache, from the recycling table
         steps = [0] * B
         records: list[StepRecord] = []
         # a controller with the one-call `step` (AdaptiveController) takes each row's tokens of the last step
         # with the next step's drafts and plan; a row's last tokens go to the cache when it finishes
-        one_call = policy is not None and callable(getattr(policy, "step", None))
+        one_call = policy is not None and callable(getattr(policy, "step", None)) and recycle is None
         # the controller's own step and plan make plans that fit their drafts by construction (not a subclass's)
         trusted = one_call and getattr(type(policy), "step", None) is AdaptiveController.step \
             and getattr(type(policy), "plan", None) is AdaptiveController.plan
@@ -270,8 +257,11 @@ class SpecDecoder:
                 else:
                     batch = cache.propose(act_rids, max(1, policy.max_width - 1), tree=tree)
                     if recycle is not None:
-                        batch = _with_recycled(batch, recycle, [int(root[i]) for i in act], recycle_min_match,
-                                               max(1, policy.max_width - 1), sources)
+                        sizes = batch.offsets[1:] - batch.offsets[:-1]
+                        sources[0] += int(((sizes > 0) & (batch.match_lens >= recycle_min_match)).sum())
+                        batch, used = with_recycled(batch, recycle, root[act], max(1, policy.max_width - 1),
+                                                    recycle_min_match, widen=recycle_widen)
+                        sources[1] += used
                     plan = policy.plan(act_rids, batch, waiting=0)
                 t_plan = time.perf_counter()
                 if trusted:
@@ -323,7 +313,12 @@ class SpecDecoder:
                 outputs[i].extend(new)
                 if topk_rows is not None:  # the rows whose distributions produced `new`: the root, then the path
                     topk_rows[i].append(self._topk[i, ([0] + path)[:len(new)], :self.record_topk])
-                accepted_counts[j] = min(len(path), len(new))   # as the simulator counts a truncated last step
+                accepted_counts[j] = n_acc = min(len(path), len(new))   # as the simulator counts a truncated last step
+                if recycle is not None and n_acc:  # row r of the layout is node r - 1 of the request's draft
+                    nodes = batch.offsets[j] + np.asarray(path[:n_acc]) - 1
+                    rec = int(np.count_nonzero(batch.sources[nodes] == RECYCLED))
+                    accepted_by[1] += rec
+                    accepted_by[0] += n_acc - rec
                 steps[i] += 1
                 length[i] += 1 + len(path)
                 root[i] = new[-1]
@@ -362,7 +357,8 @@ class SpecDecoder:
             np.concatenate(rows).astype(np.int32) if rows else np.zeros((0, self.record_topk), np.int32)
             for rows in topk_rows]
         return GenerationResult(outputs, steps, prefill_seconds, decode_seconds, records, topk,
-                                tuple(sources) if recycle is not None else None)
+                                tuple(sources) if recycle is not None else None,
+                                tuple(accepted_by) if recycle is not None else None)
 
     def _verify(self, tok, depth, anc, length, L, topk: int = 0) -> np.ndarray:
         """Greedy prediction `[B, width]` after each row of the verify block."""

@@ -19,6 +19,17 @@ from collections import Counter
 from pathlib import Path
 
 
+def recycling_table(vocab_size: int, like=None):
+    """A token-recycling table with the SGLang plugin's defaults (top 8, branching 4-1-1-1), empty or a copy of
+    ``like`` (so that every run of a prompt starts from the same table, as from the same cache)."""
+    from ngramspec.recycle import RecycleTable, bfs_template
+
+    table = RecycleTable(vocab_size, 8, bfs_template((4, 1, 1, 1)))
+    if like is not None:
+        table.succ[:] = like.succ
+    return table
+
+
 def width_histogram(widths) -> str:
     counts = Counter(widths)
     return " ".join(f"{w}x{counts[w]}" for w in sorted(counts))
@@ -67,9 +78,11 @@ def check_args(args) -> tuple[str, Path, str]:
     check_output(args.json_out, "--json-out")
     spec = args.policy or "adaptive"
     try:
-        make_policy(spec)
+        policy = make_policy(spec)
     except (ValueError, OSError) as exc:
         raise ValueError(f"--policy: {exc}") from None
+    if getattr(args, "recycle", False) and policy is None:
+        raise ValueError("--recycle needs a drafting policy, not plain")
     device = device_arg(args.device)
     return spec, model_file(args.gguf), device
 
@@ -108,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-out", default=None, help="write the greedy outputs as a trace (.jsonl.gz)")
     parser.add_argument("--json-out", default=None, help="write per-prompt figures as JSON")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per prompt and path (median; default 2)")
+    parser.add_argument("--recycle", action="store_true",
+                        help="token recycling as a second draft source: each token's latest top-8 successors from "
+                             "the model's own scores, trees of branching 4-1-1-1 (the plugin's `recycle` defaults)")
     args = parser.parse_args(argv)
     try:
         spec, gguf, device = check_args(args)
@@ -142,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     from ngramspec.warmup import warm_up
 
     warm_up()
+    vocab = kv.shape.vocab
+    recycling = {"recycle": recycling_table(vocab), "recycle_widen": True} if args.recycle else {}
     decoder.generate([prompts[0]], args.max_new_tokens, eos_token_id=eos)
     decoder.generate([prompts[0]], args.max_new_tokens, policy=make_policy(spec), cache=NgramCache(),
-                     rids=["warm-up"], eos_token_id=eos)
+                     rids=["warm-up"], eos_token_id=eos, **recycling)
+    table = recycling_table(vocab) if args.recycle else None  # what the prompts before have taught it
     freeze_gc()  # no full garbage collection through the loaded model during a timed step
 
     rows, outputs, history = [], [], []
@@ -152,11 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=total, desc=f"demo on {device.type}", unit="tok", file=sys.stderr) as bar:
         for n, ((label, _), prompt) in enumerate(zip(items, prompts)):
             plain_runs, fast_runs = [], []
+            tables = []
             for rep in range(args.repeats):  # interleaved, so a burst of load hits both paths alike
                 plain_runs.append(decoder.generate([prompt], args.max_new_tokens, eos_token_id=eos, progress=bar))
+                if table is not None:
+                    tables.append(recycling_table(vocab, like=table))
+                    recycling = {"recycle": tables[-1], "recycle_widen": True}
                 fast_runs.append(decoder.generate([prompt], args.max_new_tokens, policy=policy,
                                                   cache=cache_after(history), rids=[(n, rep)], eos_token_id=eos,
-                                                  progress=bar))
+                                                  progress=bar, **recycling))
+            if tables:
+                table = tables[0]
             plain, fast = plain_runs[0], fast_runs[0]
             bar.total -= 2 * args.repeats * args.max_new_tokens - args.repeats * (len(plain.outputs[0])
                                                                                  + len(fast.outputs[0]))
@@ -171,20 +196,28 @@ def main(argv: list[str] | None = None) -> int:
                 "plain_tok_s_runs": plain_tok_s, "spec_tok_s_runs": spec_tok_s,
                 "speedup": statistics.median(spec_tok_s) / statistics.median(plain_tok_s),
                 "accept_length": fast.accept_length, "widths": fast.widths,
+                "accepted_by_source": fast.accepted_by_source,
                 "identical": all(r.outputs[0] == plain.outputs[0] for r in plain_runs + fast_runs),
                 "text": tokenizer.decode(fast.outputs[0], skip_special_tokens=True),
             })
 
-    print(f"\nSmolLM2-135M-Instruct on {device} ({args.dtype}); policy {spec}; greedy; "
-          f"max {args.max_new_tokens} new tokens; tok/s = median of {args.repeats} runs after warm-up\n")
+    print(f"\nSmolLM2-135M-Instruct on {device} ({args.dtype}); policy {spec}{' + token recycling' * args.recycle}; "
+          f"greedy; max {args.max_new_tokens} new tokens; tok/s = median of {args.repeats} runs after warm-up\n")
+    recycled = f" {'recycled':>8s}" if args.recycle else ""
     header = f"{'prompt':10s} {'tokens':>6s} {'plain tok/s':>11s} {'spec tok/s':>10s} {'speedup':>7s} " \
-             f"{'accept':>6s} {'same':>4s}  widths (width x steps)"
+             f"{'accept':>6s}{recycled} {'same':>4s}  widths (width x steps)"
     print(header)
     print("-" * len(header))
     for r in rows:
+        share = ""
+        if args.recycle:  # of the accepted draft tokens, those token recycling drafted
+            ngram, rec = r["accepted_by_source"]
+            share = f" {rec / max(1, ngram + rec):8.0%}"
         print(f"{r['label']:10s} {r['new_tokens']:6d} {r['plain_tok_s']:11.1f} {r['spec_tok_s']:10.1f} "
-              f"{r['speedup']:6.2f}x {r['accept_length']:6.2f} {'yes' if r['identical'] else 'NO':>4s}  "
+              f"{r['speedup']:6.2f}x {r['accept_length']:6.2f}{share} {'yes' if r['identical'] else 'NO':>4s}  "
               f"{width_histogram(r['widths'])}")
+    if args.recycle:
+        print("recycled: the share of accepted draft tokens that token recycling drafted")
     caveat = busy_cpu_caveat(device.type, [r["plain_tok_s_runs"] for r in rows] + [r["spec_tok_s_runs"] for r in rows])
     if caveat:
         print(caveat)
@@ -197,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         write_trace(args.trace_out, prompts, outputs, workload="demo")
         print(f"\nwrote trace {args.trace_out}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"policy": spec, "device": str(device), "repeats": args.repeats,
+        Path(args.json_out).write_text(json.dumps({"policy": spec, "recycle": args.recycle, "device": str(device),
+                                                   "repeats": args.repeats,
                                                    "caveat": caveat, "rows": rows}, indent=1))
     return 0 if all(r["identical"] for r in rows) else 1
