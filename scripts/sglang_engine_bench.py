@@ -152,6 +152,10 @@ CONFIGS = {
     # token recycling as a third draft source (the verifier's own top-k after every scored position)
     "adaptive_rc": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"recycle": True}),
     "adaptive_rc_pp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"recycle": True, "preplan": True}),
+    # recycling where the n-gram match is shorter than 3 tokens (at the default 1, any one-token match keeps the
+    # n-gram draft and recycling rarely drafts), no widening
+    "adaptive_rc3": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"recycle": True, "recycle_min_match": 3,
+                                                                                 "recycle_widen": False}),
     # every step verifies 16 tokens, so every step waits for the one before: the drafting step's period with and
     # without the verify prepared before the wait (the profile's durations at width 16)
     "adaptive_f16": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16}),
