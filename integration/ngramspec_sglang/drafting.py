@@ -308,10 +308,16 @@ class DraftPlanner:
     def _note_sent(self, rids, batch: DraftBatch, drafted: list[int]) -> None:
         """Count the recycled nodes of the drafts sent (the first ``drafted[i]`` nodes of each) and keep the drafts
         that have any, for `_recycled_accepted`."""
-        sent, offsets, sources, n = self._sent, batch.offsets, batch.sources, 0
+        sent, offsets, n = self._sent, batch.offsets, 0
+        is_recycled = batch.sources == RECYCLED
+        if not is_recycled.any():  # the common case: nothing recycled in this batch's drafts
+            if sent:
+                for rid in rids:
+                    sent.pop(rid, None)
+            return
         for i, (rid, k) in enumerate(zip(rids, drafted)):
             a = int(offsets[i])
-            recycled = sources[a:a + k] == RECYCLED
+            recycled = is_recycled[a:a + k]
             r = int(np.count_nonzero(recycled)) if k else 0
             if r:
                 n += r
