@@ -18,6 +18,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+# where recycling drafts in the demo: below a 3-token n-gram match (at 1, any one-token match keeps the n-gram draft
+# and recycling almost never drafts: docs/engine.md)
+RECYCLE_OPTIONS = {"recycle_min_match": 3, "recycle_widen": False}
+
 
 def recycling_table(vocab_size: int, like=None):
     """A token-recycling table with the SGLang plugin's defaults (top 8, branching 4-1-1-1), empty or a copy of
@@ -123,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per prompt and path (median; default 2)")
     parser.add_argument("--recycle", action="store_true",
                         help="token recycling as a second draft source: each token's latest top-8 successors from "
-                             "the model's own scores, trees of branching 4-1-1-1 (the plugin's `recycle` defaults)")
+                             "the model's own scores, trees of branching 4-1-1-1, drafting where the n-gram match is "
+                             "shorter than 3 tokens (the plugin's `recycle` with recycle_min_match 3, recycle_widen "
+                             "false)")
     args = parser.parse_args(argv)
     try:
         spec, gguf, device = check_args(args)
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warm_up()
     vocab = kv.shape.vocab
-    recycling = {"recycle": recycling_table(vocab), "recycle_widen": True} if args.recycle else {}
+    recycling = {"recycle": recycling_table(vocab), **RECYCLE_OPTIONS} if args.recycle else {}
     decoder.generate([prompts[0]], args.max_new_tokens, eos_token_id=eos)
     decoder.generate([prompts[0]], args.max_new_tokens, policy=make_policy(spec), cache=NgramCache(),
                      rids=["warm-up"], eos_token_id=eos, **recycling)
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 plain_runs.append(decoder.generate([prompt], args.max_new_tokens, eos_token_id=eos, progress=bar))
                 if table is not None:
                     tables.append(recycling_table(vocab, like=table))
-                    recycling = {"recycle": tables[-1], "recycle_widen": True}
+                    recycling = {"recycle": tables[-1], **RECYCLE_OPTIONS}
                 fast_runs.append(decoder.generate([prompt], args.max_new_tokens, policy=policy,
                                                   cache=cache_after(history), rids=[(n, rep)], eos_token_id=eos,
                                                   progress=bar, **recycling))
