@@ -147,23 +147,27 @@ def _fill_along_batch(b: int, measured: dict[int, float]) -> tuple[float, str]:
     return measured[near], f"copied from the nearest measured batch B={near}"
 
 
-def _neighbour_widths(b: int, w: int, cells: dict, widths: list) -> tuple:
-    """The nearest narrower and wider widths measured at batch b (width 1, plain decoding, included) and their
-    costs: (lo, cost, hi, cost), None where there is none."""
-    lo = max((x for x in widths if x < w and (b, x) in cells), default=None)
-    hi = min((x for x in widths if x > w and (b, x) in cells), default=None)
+def _fill_width(b: int, w: int, cells: dict, batches: list, widths: list) -> tuple[float, str]:
+    """An unmeasured cell (b, w) and how it was filled. Width > 1: linear between the nearest narrower and wider
+    widths measured at batch b (width 1, plain decoding, included), else `_fill_by_width_ratio`, else along the
+    batch axis, and never below a narrower or above a wider width measured at b (a ratio taken at another batch can
+    break that order). Width 1: along the batch axis."""
+    lo = hi = None
+    if w > 1:
+        lo = max((x for x in widths if x < w and (b, x) in cells), default=None)
+        hi = min((x for x in widths if x > w and (b, x) in cells), default=None)
     cost = {x: cells[(b, x)]["sum"] / cells[(b, x)]["w"] for x in (lo, hi) if x is not None}
-    return lo, cost.get(lo), hi, cost.get(hi)
-
-
-def _fill_between_widths(b: int, w: int, cells: dict, widths: list) -> tuple[float | None, str]:
-    """The value at (b, w) interpolated linearly between the nearest narrower and wider widths measured at batch b:
-    a verify never costs less than a narrower one nor more than a wider one at the same batch, which a ratio taken
-    at another batch can break. None if w is not between two measured widths."""
-    lo, c_lo, hi, c_hi = _neighbour_widths(b, w, cells, widths)
-    if lo is None or hi is None:
-        return None, ""
-    return c_lo + (c_hi - c_lo) * (w - lo) / (hi - lo), f"linear between widths {lo} and {hi} at B={b}"
+    if lo is not None and hi is not None:
+        return cost[lo] + (cost[hi] - cost[lo]) * (w - lo) / (hi - lo), f"linear between widths {lo} and {hi} at B={b}"
+    ms, how = _fill_by_width_ratio(b, w, cells, batches, widths)
+    if ms is None:
+        ms, how = _fill_along_batch(b, {bb: cells[(bb, w)]["sum"] / cells[(bb, w)]["w"] for bb in batches
+                                        if (bb, w) in cells})
+    bounded = max(ms, cost[lo]) if lo is not None else ms
+    bounded = min(bounded, cost[hi]) if hi is not None else bounded
+    if bounded != ms:
+        return bounded, how + ", bounded by the widths measured at this batch"
+    return ms, how
 
 
 def _fill_by_width_ratio(b: int, w: int, cells: dict, batches: list, widths: list) -> tuple[float | None, str]:
@@ -269,17 +273,7 @@ def fit_profile(bench: dict, sweep_config: str = SWEEP_CONFIG, min_samples: int 
                 row["filled"] = "width 1 measured by the sweep config (no plain run at this batch)"
                 filled.append((b, w))
             else:
-                ms, how = _fill_between_widths(b, w, cells, widths) if w > 1 else (None, "")
-                if ms is None:
-                    ms, how = _fill_by_width_ratio(b, w, cells, batches, widths)
-                if ms is None:
-                    measured = {bb: cells[(bb, w)]["sum"] / cells[(bb, w)]["w"] for bb in batches if (bb, w) in cells}
-                    ms, how = _fill_along_batch(b, measured)
-                _, c_lo, _, c_hi = _neighbour_widths(b, w, cells, widths)
-                if w > 1 and ((c_lo is not None and ms < c_lo) or (c_hi is not None and ms > c_hi)):
-                    ms = max(ms, c_lo) if c_lo is not None else ms
-                    ms = min(ms, c_hi) if c_hi is not None else ms
-                    how += ", bounded by the widths measured at this batch"
+                ms, how = _fill_width(b, w, cells, batches, widths)
                 row["graph_ms"] = round(ms, 4)
                 row["filled"] = how
                 filled.append((b, w))
