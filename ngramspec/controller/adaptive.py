@@ -125,7 +125,10 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
     success, see ``calibration``), ``drain`` (the objective when nobody waits behind a batch of several requests:
     "gmean", their geometric-mean speed; "hmean", their harmonic-mean speed; "min", the slowest one's: the last
     two weigh more the requests a draft does not speed up, which hold back a closed batch that ends with its last
-    request).
+    request), ``request_prior`` (pseudo-nodes behind each request's own check of its drafts: the nodes its decided
+    drafts accepted within the prefix of the step's best drafting width, against the calibrated expectation there;
+    where even the 99% upper bound of that ratio is below 1, the request's expected nodes are scaled down by it, see
+    ``estimate.request_factor``; None: no check).
     """
 
     _n_steps = _counter(C_STEPS, "steps decided")
@@ -139,7 +142,7 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
                  prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
                  request_alpha: float = 0.25, min_gain: float = 0.1, cost_clip: float | None = 2.0,
                  stale_after: int | None = 500, trace_len: int = 1000, predictor: str = "beta",
-                 drain: str = "gmean"):
+                 drain: str = "gmean", request_prior: float | None = 4.0):
         if predictor not in ("beta", "logistic"):
             raise ValueError(f"predictor must be 'beta' or 'logistic', got {predictor!r}")
         if drain not in _DRAIN:
@@ -164,6 +167,9 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
         if self.prior_scale.shape != (4,):
             raise ValueError("prior_scale needs one factor per depth bin (1, 2-3, 4-7, 8+)")
         self.request_alpha = float(request_alpha)
+        if request_prior is not None and not (0.0 < float(request_prior) < float("inf")):
+            raise ValueError(f"request_prior must be a positive number of nodes or None, got {request_prior!r}")
+        self.request_prior = None if request_prior is None else float(request_prior)
         self.min_gain = float(min_gain)
         # the acceptance counts (public: inspect, copy, load) and the logistic correction's weights if any
         self.calibration = Calibration.empty(logistic=predictor == "logistic")
@@ -223,6 +229,9 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
         pend = self._pend
         pend.success[s] = -1.0
         pend.run[s] = 0
+        # its own evidence starts from the prior's pseudo-count (-1: no check)
+        pend.predicted[s] = -1.0 if self.request_prior is None else self.request_prior
+        pend.realized[s] = 0.0 if self.request_prior is None else self.request_prior
         pend.nd[s] = 0
         pend.nn[s] = 0
 

@@ -103,13 +103,22 @@ class Pending(NamedTuple):
     par: np.ndarray  # [S, N] int32
     cell: np.ndarray  # [S, N] int64
     run: np.ndarray  # [S] int64: committed tokens since the last one no pending draft predicted (a copy's run)
+    # the draft's prefix that the step's best drafting width holds (the decision's part of it) and that prefix's
+    # expected accepted nodes when it was proposed (the sum of its calibrated P)
+    prefix: np.ndarray  # [S, D] int64
+    expect: np.ndarray  # [S, D] float64
+    # the request's own evidence (`request_factor`): the expected accepted nodes of its decided drafts' prefixes
+    # and the nodes they accepted there, each from the prior's pseudo-count (predicted < 0: no check for it)
+    predicted: np.ndarray  # [S] float64
+    realized: np.ndarray  # [S] float64
 
     @classmethod
     def empty(cls, slots: int = 8, drafts: int = 4, nodes: int = 64) -> "Pending":
         S = slots
         return cls(np.full(S, -1.0), np.zeros(S, np.int64), np.zeros(S, np.int64), np.zeros((S, drafts), np.int64),
                    np.zeros((S, drafts), np.int64), np.zeros((S, drafts), np.int64), np.zeros((S, nodes), np.int32),
-                   np.zeros((S, nodes), np.int32), np.zeros((S, nodes), np.int64), np.zeros(S, np.int64))
+                   np.zeros((S, nodes), np.int32), np.zeros((S, nodes), np.int64), np.zeros(S, np.int64),
+                   np.zeros((S, drafts), np.int64), np.zeros((S, drafts)), np.full(S, -1.0), np.zeros(S))
 
     def grow_slots(self, S: int) -> "Pending":
         def grow(a, fill):
@@ -117,7 +126,8 @@ class Pending(NamedTuple):
             new[: a.shape[0]] = a
             return new
 
-        return Pending(grow(self.success, -1.0), *(grow(a, 0) for a in self[1:]))
+        return Pending(grow(self.success, -1.0), *(grow(a, 0) for a in self[1:12]), grow(self.predicted, -1.0),
+                       grow(self.realized, 0))
 
     def grow_pool(self, need_d: int, need_n: int) -> "Pending":
         def widen(a, n):
@@ -128,7 +138,8 @@ class Pending(NamedTuple):
         p = self
         if need_d:
             n = max(need_d, 2 * p.start.shape[1])
-            p = p._replace(start=widen(p.start, n), length=widen(p.length, n), cur=widen(p.cur, n))
+            p = p._replace(start=widen(p.start, n), length=widen(p.length, n), cur=widen(p.cur, n),
+                           prefix=widen(p.prefix, n), expect=widen(p.expect, n))
         if need_n:
             n = max(need_n, 2 * p.tok.shape[1])
             p = p._replace(tok=widen(p.tok, n), par=widen(p.par, n), cell=widen(p.cell, n))
@@ -315,10 +326,13 @@ def pend_room(slots, offsets, pend):
 
 
 @njit(cache=True)
-def pend_add(slots, tokens, parents, offsets, cells, pend):
-    """Queue every non-empty draft of the batch for shadow evaluation (the pools have room)."""
+def pend_add(slots, tokens, parents, offsets, cells, P, cap, pend):
+    """Queue every non-empty draft of the batch for shadow evaluation (the pools have room), with its prefix of at
+    most ``cap`` nodes (what the step's best drafting width holds) and that prefix's expected accepted nodes (the
+    sum of its nodes' calibrated ``P``)."""
     ptok, ppar, pcell, pstart, plen, pcur, nd, nn = (pend.tok, pend.par, pend.cell, pend.start, pend.length,
                                                       pend.cur, pend.nd, pend.nn)
+    pexp, ppre = pend.expect, pend.prefix
     for i in range(slots.shape[0]):
         a = offsets[i]
         L = offsets[i + 1] - a
@@ -330,10 +344,15 @@ def pend_add(slots, tokens, parents, offsets, cells, pend):
         pstart[s, d] = base
         plen[s, d] = L
         pcur[s, d] = -1
+        e = 0.0
         for j in range(L):
+            if j < cap:
+                e += P[a + j]
             ptok[s, base + j] = tokens[a + j]
             ppar[s, base + j] = parents[a + j]
             pcell[s, base + j] = cells[a + j]
+        pexp[s, d] = e
+        ppre[s, d] = min(L, cap)
         nd[s] = d + 1
         nn[s] = base + L
 
@@ -355,6 +374,7 @@ def _shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength, 
                                                       pend.cur, pend.nd, pend.nn)
     success = pend.success
     run = pend.run
+    pexp, ppre, predicted, realized = pend.expect, pend.prefix, pend.predicted, pend.realized
     succ, trials, mid_succ, mid_trials, top_succ, top_trials = cal.succ, cal.trials, cal.mid_succ, cal.mid_trials, \
         cal.top_succ, cal.top_trials
     learn = prior_mean is not None and cal.logit_w.shape[0] > 0
@@ -366,6 +386,7 @@ def _shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength, 
             if b > a:
                 run[s] = 0  # nothing predicted these tokens
             continue
+        check = predicted[s] >= 0.0  # the request's own evidence is kept
         ntried = 0
         nhit = 0
         keep = 0
@@ -410,14 +431,22 @@ def _shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength, 
                         missed = True
                     break
                 cur = nxt
-            if decided:
-                continue
-            reach = b - a
             alive = False
-            for j in range(L):
-                if ppar[s, st + j] == cur:
-                    alive = True
-                    break
+            if not decided:
+                reach = b - a
+                for j in range(L):
+                    if ppar[s, st + j] == cur:
+                        alive = True
+                        break
+            if not alive:  # decided: its prefix's expected accepted nodes against those it accepted
+                if check:
+                    predicted[s] += pexp[s, d]
+                    j = cur
+                    while j >= 0:
+                        if j < ppre[s, d]:
+                            realized[s] += 1.0
+                        j = ppar[s, st + j]
+                continue
             if alive:  # children of the accepted node still to be decided
                 if wpos != st:
                     for j in range(L):
@@ -427,6 +456,8 @@ def _shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength, 
                 pstart[s, keep] = wpos
                 plen[s, keep] = L
                 pcur[s, keep] = cur
+                pexp[s, keep] = pexp[s, d]
+                ppre[s, keep] = ppre[s, d]
                 keep += 1
                 wpos += L
         nd[s] = keep

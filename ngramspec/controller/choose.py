@@ -131,12 +131,17 @@ def _ctl_step(slots, toks, offs, parents, probs, sources, tokens, offsets, mlens
     _estimate_costs(cstate, B, widths, clock, stale_after, row, tmp, switch)
     if offs.shape[0] > 1:  # observe
         _shadow_evaluate(slots, toks, offs, pend, alpha, cal, prior_mean, strength, sc.cols)
-    _estimate(parents, probs, sources, offsets, mlens, slots, pend.success, pend.run, cal, prior_mean, strength,
-              widths, sc)
+    _estimate(parents, probs, sources, offsets, mlens, slots, pend.success, pend.run, pend.predicted, pend.realized,
+              cal, prior_mean, strength, widths, sc)
     best, reason = _choose(offsets, widths, row, draining, min_gain, may_explore, may_remeasure, optimism, sc,
                            lengths)
     if queue:
-        pend_add(slots, tokens, parents, offsets, sc.cells, pend)
+        # each draft is judged on the prefix of the best drafting width (what a drafting step would have sent)
+        wd = -1
+        for w in range(widths.shape[0]):
+            if widths[w] > 1 and (wd < 0 or sc.values[w] > sc.values[wd]):
+                wd = w
+        pend_add(slots, tokens, parents, offsets, sc.cells, sc.P, widths[wd] - 1 if wd >= 0 else 0, pend)
     if tpos >= 0:
         ti, tf, tv = trace.ints, trace.floats, trace.values
         ti[tpos, 0] = step_no

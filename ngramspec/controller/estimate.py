@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import math
 from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
@@ -33,15 +34,40 @@ class Scratch(NamedTuple):
     cols: np.ndarray  # [6] int64: the logistic correction's scratch
 
 
+REQUEST_Z = 2.326  # a request's drafts fall short when even this upper quantile (one-sided 99%) of the ratio is < 1
+
+
 @njit(cache=True)
-def _estimate(parents, probs, sources, offsets, mlens, slots, success, run, cal, prior_mean, strength, widths, sc):
+def request_factor(predicted, realized):
+    """Whether a request's own drafts fall short of their calibrated prediction, and by how much: the ratio
+    accepted / expected nodes of its decided drafts has a Gamma posterior (accepted ~ Poisson(ratio x expected),
+    the prior a Gamma of mean 1 whose pseudo-count both sums start from). Only where its upper quantile
+    (``REQUEST_Z``, Wilson-Hilferty) is below 1 are the request's predictions scaled down, by the posterior mean
+    (realized / predicted); else 1: never up, and not for a shortfall within noise. ``predicted`` < 0: no check."""
+    if predicted <= 0.0 or realized >= predicted:
+        return 1.0
+    mean = realized / predicted
+    c = 1.0 / (9.0 * max(realized, 1e-9))
+    upper = mean * (1.0 - c + REQUEST_Z * math.sqrt(c)) ** 3
+    return mean if upper < 1.0 else 1.0
+
+
+@njit(cache=True)
+def _estimate(parents, probs, sources, offsets, mlens, slots, success, run, predicted, realized, cal, prior_mean,
+              strength, widths, sc):
     """The benefit of each width for the drafts of one step: fills the scratch ``sc``'s cells, P, G and
-    expected (the batch's tokens at each width: one per request plus its expected accepted nodes)."""
+    expected (the batch's tokens at each width: one per request plus its expected accepted nodes, each request's
+    scaled by its `request_factor`; P stays the calibrated one)."""
     B = offsets.shape[0] - 1
     W = widths.shape[0]
     cells, G, expected = sc.cells, sc.G, sc.expected
     _node_cells(parents, probs, sources, offsets, mlens, slots, success, cells, run, sc.depth, sc.kids)
     _node_values(parents, offsets, cells, cal, prior_mean, strength, widths, sc.P, G, sc.cols)
+    for i in range(B):
+        f = request_factor(predicted[slots[i]], realized[slots[i]])
+        if f < 1.0:
+            for w in range(W):
+                G[i, w] *= f
     for w in range(W):
         acc = 0.0
         for i in range(B):

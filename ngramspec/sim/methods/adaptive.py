@@ -20,8 +20,8 @@ class AdaptiveMethod(Method):
     ``state_in=PATH`` starts the controller from a state saved by ``state_out=PATH`` of an earlier run (chain
     runs: learn on one trace, start warm on another); ``{profile}`` in either path is replaced by the cost
     profile's name (a state holds measured costs, so it belongs to one profile). ``min_gain``, ``strength``
-    (prior_strength), ``alpha`` (request_alpha), ``predictor`` (beta | logistic) and ``drain`` (gmean | min) are the
-    controller's knobs."""
+    (prior_strength), ``alpha`` (request_alpha), ``predictor`` (beta | logistic), ``drain`` (gmean | min) and
+    ``request_prior`` (0: no check of a request's own drafts) are the controller's knobs."""
 
     profile_dependent = True  # its decisions depend on the durations it observes
 
@@ -29,7 +29,7 @@ class AdaptiveMethod(Method):
                  explore_frac: float = 0.002, widths: str | None = None, clip: float = 2.0,
                  stale: int = 500, state_in: str | None = None, state_out: str | None = None,
                  min_gain: float = 0.1, strength: float = 10.0, alpha: float = 0.25, predictor: str = "beta",
-                 drain: str = "gmean"):
+                 drain: str = "gmean", request_prior: float = 4.0):
         if widths is not None:  # e.g. widths=1-2-4-8-17
             try:
                 widths = [int(w) for w in str(widths).split("-")]
@@ -48,7 +48,8 @@ class AdaptiveMethod(Method):
                                       cost_clip=float(clip) if float(clip) > 0 else None,
                                       stale_after=int(stale) if int(stale) > 0 else None,
                                       min_gain=float(min_gain), prior_strength=float(strength),
-                                      request_alpha=float(alpha), predictor=str(predictor), drain=str(drain))
+                                      request_alpha=float(alpha), predictor=str(predictor), drain=str(drain),
+                                      request_prior=float(request_prior) if float(request_prior) > 0 else None)
         self.cache = NgramCache(max_depth=depth)
         self.tree = bool(tree)
         self._width = 1
