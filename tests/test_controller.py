@@ -241,6 +241,45 @@ def test_every_draft_is_judged_while_older_ones_are_pending():
     assert ctl.pending(0) > 1  # the copy keeps several drafts alive at once
 
 
+def test_a_request_whose_drafts_under_deliver_stops_drafting():
+    """A cache and calibration learnt on copy-heavy requests, then a request over a small vocabulary: its own
+    history matches at every step and the calibration, learnt on copies, predicts its deep drafts to hold, while
+    the model follows them for about one token in ten. On a verify that costs about 1.5 decodes (a 2-core CPU) the
+    request's own evidence (realized against predicted accepted nodes) stops its drafting within a few steps;
+    without the check it drafts all along and runs slower than plain decoding. A copy-heavy request after it keeps
+    its speedup."""
+    cpu = LinearProfile("cpu-like", decode_ms=62.0, verify_base_ms=77.0, verify_per_token_ms=1.0)
+
+    def run(**kw):
+        rng = np.random.default_rng(0)
+        cache = NgramCache(max_depth=16)
+        ctl = AdaptiveController(prior=cpu.cost_ms, **kw)
+
+        def request(rid, prompt, output):
+            cache.start_request(rid, prompt)
+            ctl.start(rid)
+            log = []
+            drive(ctl, cache, rid, output, log, cpu)
+            cache.finish_request(rid, share=True)
+            ctl.finish(rid)
+            speedup = len(output) * cpu.cost_ms(1, 1) / sum(cpu.cost_ms(1, w) for _, w in log)
+            return speedup, sum(w > 1 for _, w in log)
+
+        for i in range(4):  # copy-heavy requests: each output copies a long passage of its prompt
+            doc = rng.integers(1000, 50000, 400).tolist()
+            assert request(i, doc, doc[50:350])[0] > 2.5
+        vocab = rng.integers(1000, 50000, 12)
+        weak = request("weak", rng.choice(vocab, 300).tolist(), rng.choice(vocab, 200).tolist())
+        doc = rng.integers(1000, 50000, 400).tolist()
+        return weak, request("copy", doc, doc[50:350])
+
+    (speedup, drafting), copy = run()
+    (speedup_off, drafting_off), copy_off = run(request_prior=None)
+    assert drafting_off > 40 and speedup_off < 0.96  # without the check: slower than plain decoding
+    assert drafting <= 15 and speedup >= 0.975
+    assert copy[0] > 2.5 and copy[0] >= 0.98 * copy_off[0]
+
+
 class _QueueBlind:
     """Hides the queue length from the controller, as a server that does not report it would."""
 
@@ -285,7 +324,8 @@ def _lockstep(records, batch, profile, steps, waiting_of=lambda n_left: n_left, 
     from ngramspec.controller import CostModel
 
     widths = DEFAULT_WIDTHS_
-    new = AdaptiveController(widths, cost_clip=None, stale_after=None, **kw)
+    # the reference predates the per-request check of a request's own drafts (request_prior): without it here
+    new = AdaptiveController(widths, cost_clip=None, stale_after=None, request_prior=None, **kw)
     old = ref.ReferenceController(widths, costs=CostModel(default_prior, widths=widths, clip=None,
                                                          stale_after=None), **kw)
     caches = [NgramCache(max_depth=16), NgramCache(max_depth=16)]
