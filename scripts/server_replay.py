@@ -33,7 +33,8 @@ scheduler), `prompt_ids` and `warm_prompt_ids`.
 
 Not modelled: the server's warm-up traffic (its outputs are not saved: the caches start empty here, the
 controller learns costs from scratch), prefill and anything outside decode steps (it is in the measured tok/s,
-not in the predicted speedup), configs whose outputs differ from plain's (every method replays plain's outputs).
+not in the predicted speedup; the `+outside` column adds plain decoding's, read from its scheduler profile, to both
+sides of the speedup), configs whose outputs differ from plain's (every method replays plain's outputs).
 """
 from __future__ import annotations
 
@@ -323,7 +324,14 @@ def replay_runs(bench: dict, profile, configs: dict[str, str], carry: bool = Tru
         baselines[key] = base
         pred_s = profile.total_ms(base.step_counts) / 1e3
         meas_s = plain["runs"][key].get("seconds")
-        checks.append({"run": key, "batch": conc, "requests": len(trace.requests), "dropped": dropped,
+        sched = plain["runs"][key].get("scheduler") or {}
+        if meas_s and sched.get("decode_steps") and sched.get("period_ms"):
+            # time outside decode steps, from the server's own profile: the wall clock less its decode steps
+            # (steps x mean period between decode launches); a prefill between two launches is inside a period
+            outside = max(0.0, meas_s - sched["decode_steps"] * sched["period_ms"] / 1e3)
+        else:  # no scheduler profile: the wall clock less the replayed decode steps
+            outside = meas_s - pred_s if meas_s else None
+        checks.append({"plain_outside_s": outside, "run": key, "batch": conc, "requests": len(trace.requests), "dropped": dropped,
                        "tokens": base.tokens, "batch_steps": base.batch_steps,
                        "mean_batch": sum(b * n for (b, _), n in base.step_counts.items()) / base.batch_steps,
                        "plain_measured_s": meas_s, "plain_predicted_s": pred_s,
@@ -356,8 +364,8 @@ def replay_runs(bench: dict, profile, configs: dict[str, str], carry: bool = Tru
             # the measured time outside decode steps (prefill, the host between requests): plain decoding's, the
             # same prompts for every method
             check = next(c for c in checks if c["run"] == key)
-            outside = (check["plain_measured_s"] - check["plain_predicted_s"]) if check["plain_measured_s"] else None
-            with_outside = (check["plain_measured_s"] / (s["time_ms"] / 1e3 + outside)
+            outside = check["plain_outside_s"]
+            with_outside = ((check["plain_predicted_s"] + outside) / (s["time_ms"] / 1e3 + outside)
                             if outside is not None and s["time_ms"] / 1e3 + outside > 0 else None)
             rows.append({
                 "predicted_speedup_with_outside": with_outside,
@@ -406,11 +414,13 @@ def format_report(rows, checks, skipped, notes, profile_data, profile_path) -> s
                        f"{_f(r['measured_mean_width'], '.2f'):>11s} {_f(r['predicted_mean_width'], '.2f'):>11s}")
     out.append("")
     out.append("plain decoding, the profile against the wall clock (measured includes prefill and the host time "
-               "outside decode steps; '+outside' above adds this difference to every method's replayed time):")
+               "outside decode steps; '+outside' above adds plain decoding's time outside decode steps, from the "
+               "scheduler's profile where the run has one, to every method's replayed time):")
     for c in checks:
         out.append(f"  {c['run']:10s} {c['requests']} requests, {c['tokens']} tokens, {c['batch_steps']} steps at "
                    f"mean batch {c['mean_batch']:.2f}: measured {_f(c['plain_measured_s'])} s, predicted "
-                   f"{_f(c['plain_predicted_s'])} s ({_f(c['predicted_over_measured'])})"
+                   f"{_f(c['plain_predicted_s'])} s ({_f(c['predicted_over_measured'])}), outside decode steps "
+                   f"{_f(c['plain_outside_s'])} s"
                    + (f"; prompts without output left out: {c['dropped']}" if c["dropped"] else ""))
     for s in skipped:
         out.append(f"skipped {s['config']} ({s['method']}): {s['reason']}")

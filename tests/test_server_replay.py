@@ -145,6 +145,27 @@ def test_replay_rows(sr, tmp_path):
     assert not cold[0]["carried_state"] and copy["copy/c1"]["carried_state"]
 
 
+def test_time_outside_decode_steps_comes_from_the_servers_profile(sr, tmp_path):
+    """Plain decoding's wall clock less its decode steps x their mean period is the time outside decode steps
+    (prefill, the host between requests); `+outside` adds it to both sides of every replayed speedup. Without a
+    scheduler profile the replay's own residual stands in."""
+    main, second = write_bench(tmp_path)
+    bench = sr.load_bench([str(main), str(second)])
+    run = bench["plain"]["runs"]["copy/c1"]
+    run["seconds"] = run["scheduler"]["decode_steps"] * run["scheduler"]["period_ms"] / 1e3 + 0.5
+    bench["plain"]["runs"]["free/c1"]["scheduler"] = None
+    data, _ = sr.fit_profile(bench)
+    rows, checks, _ = sr.replay_runs(bench, sr.profile_from_data(data), {"adaptive": "ngramspec-adaptive"})
+    check = {c["run"]: c for c in checks}
+    assert check["copy/c1"]["plain_outside_s"] == pytest.approx(0.5, abs=1e-6)
+    free = check["free/c1"]
+    assert free["plain_outside_s"] == pytest.approx(free["plain_measured_s"] - free["plain_predicted_s"])
+    row = next(r for r in rows if r["run"] == "copy/c1")
+    pred_plain, pred_method = check["copy/c1"]["plain_predicted_s"], row["predicted_s"]
+    assert row["predicted_speedup_with_outside"] == pytest.approx((pred_plain + 0.5) / (pred_method + 0.5))
+    assert 1.0 < row["predicted_speedup_with_outside"] < row["predicted_speedup"]  # time both sides share
+
+
 def test_main(sr, tmp_path, capsys):
     main, second = write_bench(tmp_path)
     fit, rows_json = tmp_path / "fit.json", tmp_path / "rows.json"
