@@ -425,7 +425,8 @@ class DraftPlanner:
         cache = NgramCache(max_depth=self.config.max_depth, max_requests=4, local_nodes=256, shared_nodes=256,
                            shared_tokens=256)
         scratch = DraftPlanner(self.config, cache=cache, controller=make_controller(self.config),
-                               layout=self.layout)
+                               layout=self.layout,
+                               vocab_size=None if self.recycle_table is None else self.recycle_table.vocab_size)
         text = [1, 2, 3, 1, 2, 3, 1, 2]
         for waiting in (None, 0, 1):
             out = text[: 2 + (waiting or 0)]

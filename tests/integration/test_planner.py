@@ -499,6 +499,7 @@ def test_recycling_drafts_where_the_ngram_cache_has_nothing():
         DraftPlanner(cfg)
     for controller in (FixedWidthController(8), None):
         p = DraftPlanner(cfg, controller=controller, vocab_size=64)
+        p.warm_up()  # the server's worker does this first: its scratch planner needs the vocabulary size too
         p.recycle_update(np.array([9, 20, 21]), np.array([[20, 21], [30, 31], [40, 41]]))
         plan = p.plan([RequestView("r", [1, 2, 3, 9], [])])  # 9 is new to the cache: no n-gram draft
         assert p.recycled_requests == 1 and p.cache.propose(["r"], 7).offsets[-1] == 0
