@@ -126,8 +126,8 @@ class Pending(NamedTuple):
             new[: a.shape[0]] = a
             return new
 
-        return Pending(grow(self.success, -1.0), *(grow(a, 0) for a in self[1:12]), grow(self.predicted, -1.0),
-                       grow(self.realized, 0))
+        unknown = ("success", "predicted")  # -1 in a new slot: no estimate yet; every other field starts at 0
+        return Pending(*(grow(a, -1.0 if name in unknown else 0) for name, a in zip(self._fields, self)))
 
     def grow_pool(self, need_d: int, need_n: int) -> "Pending":
         def widen(a, n):
