@@ -331,7 +331,8 @@ def replay_runs(bench: dict, profile, configs: dict[str, str], carry: bool = Tru
             outside = max(0.0, meas_s - sched["decode_steps"] * sched["period_ms"] / 1e3)
         else:  # no scheduler profile: the wall clock less the replayed decode steps
             outside = meas_s - pred_s if meas_s else None
-        checks.append({"plain_outside_s": outside, "run": key, "batch": conc, "requests": len(trace.requests), "dropped": dropped,
+        checks.append({"plain_outside_s": outside, "run": key, "batch": conc, "requests": len(trace.requests),
+                       "dropped": dropped,
                        "tokens": base.tokens, "batch_steps": base.batch_steps,
                        "mean_batch": sum(b * n for (b, _), n in base.step_counts.items()) / base.batch_steps,
                        "plain_measured_s": meas_s, "plain_predicted_s": pred_s,
