@@ -2,53 +2,99 @@
 """Plain decoding, SGLang's NGRAM and NGRAM_ADAPTIVE through SGLang's HTTP server, measured by SGLang's own client.
 
 For each configuration: `python -m sglang.launch_server` on 127.0.0.1, then `python -m sglang.bench_serving
---backend sglang` over the same prompts at each request rate (default: inf, then 8 req/s), then the server is
-stopped. The prompts are a ShareGPT-format file written to --out (no download): half copy-heavy (code and text to
-repeat, comment or fix) and half free text (questions, stories), from the server benchmark's prompt sets
-(`sglang_engine_bench.py`), numbered so that no two are equal, with the model's chat template; up to
---max-new-tokens each, stopping at EOS (`--disable-ignore-eos`: what a user's request does). Reported per
-configuration and rate: output tokens/s, TTFT and inter-token latency (bench_serving's ITL: the gap between two
-streamed chunks; a chunk of several tokens is one gap) median and p99, TPOT median, accept length, and each
-against plain decoding of the same run.
+--backend sglang` at each request rate (default: inf, then 8 req/s), then the server is stopped. The prompts are
+ShareGPT-format files written to --out (no download), one per rate, so that no rate meets a prompt (or its output)
+that an earlier rate put into the server's caches: half copy-heavy (a function of this checkout's own source to
+comment, annotate, rename or repeat), half free text (a poem, story, facts or explanation on one of 40 topics), no
+two equal, with the model's chat template; up to --max-new-tokens each, stopping at EOS (`--disable-ignore-eos`:
+what a user's request does). Every server gets --server-args (default: the engine bench's memory fraction 0.5 and
+no prefill CUDA graphs). `adaptive_mr256` is NGRAM_ADAPTIVE with plain decoding's running-request cap (SGLang caps
+speculative servers at 48). Reported per configuration and rate: output tokens/s, TTFT and inter-token latency
+(bench_serving's ITL: the gap between two streamed chunks; a chunk of several tokens is one gap) median and p99,
+TPOT median, accept length, and each against plain decoding of the same run.
 
-One GPU call (H200, the SGLang 0.5.23 kit copied to .gpukit and carried, SmolLM2-135M-Instruct float16 at
-$MODEL_DIR; three servers one after another, about 6 minutes):
+One GPU call (H100/H200, the SGLang 0.5.23 kit copied to .gpukit and carried, a float16 model at $MODEL_DIR, e.g.
+the 8B-cost padded SmolLM2; per configuration about 80 s of start-up and 30-60 s of load):
     source .gpukit/device/env.sh && python3 scripts/sglang_http_bench.py --model $MODEL_DIR --out /tmp/http \
         && cp /tmp/http/http_bench.json $OUT/
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, SCRIPTS)
 from sglang_engine_bench import COPY_PROMPTS, FREE_PROMPTS  # noqa: E402
-from sglang_soak import HOST, Server  # noqa: E402
+from sglang_soak import HOST, Server, bench_serving_env, port_answers  # noqa: E402
 
+ROOT = os.path.dirname(SCRIPTS)
 CONFIGS = {
     "plain": [],
     "ngram": ["--speculative-algorithm", "NGRAM"],
     "adaptive": ["--speculative-algorithm", "NGRAM_ADAPTIVE"],
+    # SGLang caps a speculative server at 48 running requests (NGRAM and NGRAM_ADAPTIVE alike); plain decoding's
+    # cap on an 80-141 GB GPU is 256 (its largest decode CUDA graph)
+    "adaptive_mr256": ["--speculative-algorithm", "NGRAM_ADAPTIVE", "--max-running-requests", "256"],
 }
+# what the engine bench (sglang_engine_bench.py) gives every configuration: room left for the cost-padded models'
+# activations, and no prefill CUDA graphs (their capture at SGLang's default memory fraction stalls the 8B-cost
+# model's start-up)
+DEFAULT_SERVER_ARGS = "--mem-fraction-static 0.5 --disable-prefill-cuda-graph"
+COPY_ASKS = ("Rewrite this code with a docstring and comments, keeping all the code:",
+             "Add type hints to this function and give back the whole function:",
+             "Give this code descriptive variable names; return all of it:",
+             "Repeat this code exactly, then say in one sentence what it does:")
+TOPICS = ("the sea at night", "a lighthouse keeper", "volcanoes", "the history of bread", "honeybees",
+          "black holes", "the printing press", "city gardens", "glaciers", "chess openings", "the Silk Road",
+          "jazz", "tides", "coral reefs", "the first railways", "owls", "desert plants", "the Moon landing",
+          "paper making", "thunderstorms", "ancient Rome's roads", "octopuses", "solar panels", "mountain goats",
+          "the invention of the clock", "rainforests", "the Northern Lights", "sourdough", "whales' songs",
+          "the compass", "bicycles", "earthquakes", "tea", "migratory birds", "the telescope", "caves",
+          "the human heart", "windmills", "snowflakes", "the Olympic Games")
+FREE_ASKS = ("Write a short poem about {}.", "Explain {} to a ten-year-old.", "Give me three facts about {}.",
+             "Write a short story about {}.", "What should a visitor know about {}?")
 METRICS = ("completed", "duration", "total_output_tokens", "output_throughput", "request_throughput",
            "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "p99_tpot_ms",
            "median_e2e_latency_ms", "accept_length")
 
 
-def sharegpt_prompts(n: int) -> list[dict]:
-    """n conversations in ShareGPT's format, copy-heavy and free text alternating, each numbered (no two equal)."""
+def code_snippets() -> list[str]:
+    """Functions of 6-30 lines from this checkout's own source (`ngramspec/`, in path and line order), then the
+    server benchmark's code prompts: code no other prompt contains."""
+    found = []
+    for base, _, files in sorted(os.walk(os.path.join(ROOT, "ngramspec"))):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(base, name)) as f:
+                src = f.read()
+            lines = src.splitlines()
+            spans = sorted((node.lineno, node.end_lineno) for node in ast.walk(ast.parse(src))
+                           if isinstance(node, ast.FunctionDef) and 6 <= node.end_lineno - node.lineno + 1 <= 30)
+            found += ["\n".join(lines[start - 1:end]) for start, end in spans]
+    return list(dict.fromkeys(found + [p.split(":\n\n", 1)[-1] for p in COPY_PROMPTS]))
+
+
+def sharegpt_prompts(n: int, offset: int = 0) -> list[dict]:
+    """n conversations in ShareGPT's format, copy-heavy and free text alternating: prompts offset..offset+n-1 of
+    one fixed sequence in which no code and no free-text question comes twice, so a run at a second request rate
+    (offset n) meets none of the first's prompts or outputs in the server's caches."""
+    codes = code_snippets()
+    frees = [ask.format(topic) for ask in FREE_ASKS for topic in TOPICS] + list(FREE_PROMPTS)
     out = []
-    for i in range(n):
-        pool = COPY_PROMPTS if i % 2 == 0 else FREE_PROMPTS
-        text = pool[(i // 2) % len(pool)]
-        kind = "copy" if i % 2 == 0 else "free"
-        out.append({"id": f"{kind}-{i}", "conversations": [
-            {"from": "human", "value": f"(request {i})\n{text}"},
+    for i in range(offset, offset + n):
+        k = i // 2
+        if i % 2 == 0:
+            text = f"{COPY_ASKS[k % len(COPY_ASKS)]}\n\n{codes[k % len(codes)]}"
+        else:
+            text = frees[k % len(frees)]
+        out.append({"id": f"{'copy' if i % 2 == 0 else 'free'}-{i}", "conversations": [
+            {"from": "human", "value": text},
             {"from": "gpt", "value": "ok"}]})  # bench_serving reads the output length from --sharegpt-output-len
     return out
 
@@ -86,15 +132,18 @@ def read_result(path: str) -> dict:
     return {k: lines[-1].get(k) for k in METRICS}
 
 
-def run_config(a, config: str, dataset: str) -> dict:
+def run_config(a, config: str, datasets: dict) -> dict:
     import subprocess
 
     out = os.path.join(a.out, config)
     os.makedirs(out, exist_ok=True)
     server = Server(server_cmd(a, config), a.port, out)
+    res: dict = {"rates": {}}
+    if port_answers(a.port):
+        res["error"] = f"something already answers on port {a.port} (a server left running?)"
+        return res
     t = time.time()
     server.start()
-    res: dict = {"rates": {}}
     try:
         if not server.wait_ready(a.startup_timeout):
             res["error"] = "the server did not start (see its log)"
@@ -103,8 +152,9 @@ def run_config(a, config: str, dataset: str) -> dict:
         for rate in a.rates.split(","):
             out_file = os.path.join(out, f"rate_{rate}.jsonl")
             with open(os.path.join(out, f"bench_{rate}.log"), "w") as log:
-                proc = subprocess.run(bench_cmd(a, rate, out_file, dataset), stdout=log, stderr=subprocess.STDOUT,
-                                      timeout=a.bench_timeout, check=False)
+                proc = subprocess.run(bench_cmd(a, rate, out_file, datasets[rate]), stdout=log,
+                                      stderr=subprocess.STDOUT, timeout=a.bench_timeout, check=False,
+                                      env=bench_serving_env(a.out))
             r = read_result(out_file)
             if proc.returncode != 0 or not r:
                 r["error"] = f"bench_serving exited with {proc.returncode} (see bench_{rate}.log)"
@@ -158,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=4, help="bench_serving's --warmup-requests before each rate")
     p.add_argument("--port", type=int, default=30300)
     p.add_argument("--dtype", default="float16")
-    p.add_argument("--server-args", default="", help="more launch_server arguments, for every config")
+    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
+                   help=f"more launch_server arguments, for every config (default: {DEFAULT_SERVER_ARGS!r})")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--bench-timeout", type=float, default=600.0, help="seconds one bench_serving run may take")
     p.add_argument("--server-cmd", help=argparse.SUPPRESS)  # tests: a stand-in server, JSON list ({port}, {config})
@@ -183,13 +234,19 @@ def main(argv=None) -> int:
     if a.num_prompts < 2:
         p.error("--num-prompts must be >= 2")
     os.makedirs(a.out, exist_ok=True)
-    dataset = os.path.join(os.path.abspath(a.out), "prompts_sharegpt.json")
-    with open(dataset, "w") as f:
-        json.dump(sharegpt_prompts(a.num_prompts), f)
+    datasets = {}  # each rate its own prompts: a server meets no prompt twice
+    for i, rate in enumerate(a.rates.split(",")):
+        datasets[rate] = os.path.join(os.path.abspath(a.out), f"prompts_sharegpt_{rate}.json")
+        with open(datasets[rate], "w") as f:
+            json.dump(sharegpt_prompts(a.num_prompts, offset=i * a.num_prompts), f)
+
+    def on_term(signum, frame):  # `timeout` and the like: leave through the finally that stops the server
+        raise SystemExit(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
     results = {}
     path = os.path.join(a.out, "http_bench.json")
     for config in configs:
-        results[config] = run_config(a, config, dataset)
+        results[config] = run_config(a, config, datasets)
         with open(path, "w") as f:
             json.dump({"args": vars(a), "results": results}, f, indent=1)
         print(f"{config}: {json.dumps(results[config])[:300]}", flush=True)

@@ -573,6 +573,30 @@ def stream_generate(port: int, body: dict, timeout: float, disconnect_after: int
 # ------------------------------------------------------------------------------------------------------ server
 
 
+def bench_serving_env(out: str) -> dict:
+    """The environment for `python -m sglang.bench_serving`. SGLang 0.5.23's client imports Hugging Face `datasets`
+    when it starts (its MMMU loader), even to read a local file; where `datasets` is not installed (the GPU kit), a
+    package in `out` stands in for it, whose `load_dataset` raises if anything calls it."""
+    import importlib.util
+
+    env = dict(os.environ)
+    if importlib.util.find_spec("datasets") is None:
+        shim = os.path.join(os.path.abspath(out), "no_datasets")
+        os.makedirs(os.path.join(shim, "datasets"), exist_ok=True)
+        with open(os.path.join(shim, "datasets", "__init__.py"), "w") as f:
+            f.write("def load_dataset(*args, **kwargs):\n"
+                    "    raise ImportError('Hugging Face datasets is not installed (a stand-in for its import)')\n")
+        env["PYTHONPATH"] = shim + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def port_answers(port: int) -> bool:
+    """Whether something already accepts connections on 127.0.0.1:port (a server left running)."""
+    with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1.0):
+        return True
+    return False
+
+
 class Server:
     """One `sglang.launch_server` (or a stand-in command), in its own process group, log to a file."""
 
@@ -977,7 +1001,7 @@ class Soak:
                 "instance": self.server.instance}
         log = open(os.path.join(self.a.out, f"bench_{idx}.log"), "w")
         proc = subprocess.Popen(self.bench_cmd(seg["rate"], num, out_file, self.a.seed + idx), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True, env=bench_serving_env(self.a.out))
         info["log"] = log
         self.bench_procs.append((proc, info))
         self.disconnect_rate = self.a.disconnect_share * seg["rate"]
@@ -1057,6 +1081,9 @@ class Soak:
             json.dump(synthetic_sharegpt(max(64, int(max(RATES) * self.load_s / len(RATES)) + 16), a.seed), f)
         res = self.result
         try:
+            if port_answers(a.port):
+                res["fatal"] = f"something already answers on port {a.port} (a server left running?)"
+                return res
             if not self.launch("start", probe_key="probe_before"):
                 res["fatal"] = "the server did not start"
                 return res

@@ -736,6 +736,19 @@ def test_soak_end_to_end_against_a_stub_server(tmp_path):
     assert "all checks passed" in proc.stdout
 
 
+def test_http_bench_prompts_never_repeat_at_the_default_size():
+    """200 prompts at each of two rates: no prompt twice, so no rate is measured on outputs already cached."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from sglang_http_bench import sharegpt_prompts
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    texts = [p["conversations"][0]["value"] for off in (0, 200) for p in sharegpt_prompts(200, offset=off)]
+    assert len(texts) == 400 and len(set(texts)) == 400
+    codes = [t.split("\n\n", 1)[1] for t in texts[0::2]]
+    assert len(set(codes)) == 200 and all(len(c.splitlines()) >= 6 for c in codes)
+
+
 def test_http_bench_against_a_stub_server(tmp_path):
     """`scripts/sglang_http_bench.py`: a server per config, bench_serving at each rate, the table and the JSON, all
     against the stub server on 127.0.0.1; a config whose server never starts is an error, not a hang."""
@@ -753,9 +766,17 @@ def test_http_bench_against_a_stub_server(tmp_path):
     for r in res.values():
         assert set(r["rates"]) == {"inf", "8"} and all(x["completed"] == 4 for x in r["rates"].values())
     assert "1.000" in proc.stdout  # every config against plain decoding of the same run
-    prompts = json.loads((out / "prompts_sharegpt.json").read_text())
-    assert [p["id"].split("-")[0] for p in prompts] == ["copy", "free"] * 3
-    assert len({p["conversations"][0]["value"] for p in prompts}) == 6
+    by_rate = [json.loads((out / f"prompts_sharegpt_{rate}.json").read_text()) for rate in ("inf", "8")]
+    for prompts in by_rate:
+        assert [p["id"].split("-")[0] for p in prompts] == ["copy", "free"] * 3
+    texts = [p["conversations"][0]["value"] for prompts in by_rate for p in prompts]
+    assert len(set(texts)) == 12  # no prompt twice, within a rate or across the two
+    # a server left running on the port is an error, not a measurement of that server
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        taken = busy.getsockname()[1]
+        proc = subprocess.run(cmd[:-5] + [str(taken), "--server-cmd", stub_server, "--bench-cmd", stub_bench,
+                                          "--configs", "plain"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and f"already answers on port {taken}" in proc.stdout
     dead = json.dumps([sys.executable, "-c", "import sys; sys.exit(3)"])
     proc = subprocess.run(cmd[:-4] + ["--server-cmd", dead, "--bench-cmd", stub_bench, "--configs", "plain",
                                       "--startup-timeout", "5"], capture_output=True, text=True, timeout=60)
