@@ -254,8 +254,15 @@ def diag_delta(before: dict, after: dict) -> dict:
                            if d["idle_measured"] else None,
                            **{f"{p}_ms": round(1e3 * d[f"{p}_s"] / d["steps"], 3)
                               for p in ("prepare", "forward", "after")}}
+    sources = None  # draft tokens sent and accepted per verified / observed request-step, by source
+    if "sources" in a:
+        d = {k: v - b.get("sources", {}).get(k, 0) for k, v in a["sources"].items()}
+        n, m = d.get("verified_requests", 0), d.get("observed_requests", 0)
+        sources = {f"{k}_per_request": round(d[k] / (n if k.startswith("drafted") else m), 4)
+                   for k in ("drafted_ngram", "drafted_recycled", "accepted_ngram", "accepted_recycled")
+                   if (n if k.startswith("drafted") else m)}
     return {"reasons": {k: v for k, v in reasons.items() if v},
-            "device_ms": device,
+            "device_ms": device, "sources": sources,
             "expected_tokens_per_request": (a.get("expected_tokens", 0) - b.get("expected_tokens", 0)) / planned
             if planned else None,
             "durations": durations, "cost_estimates_ms": a.get("cost_estimates_ms", {}),

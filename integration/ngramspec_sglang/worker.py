@@ -105,6 +105,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         if self._profile is not None:
             self._profile.forwards_summary = lambda: (self.planner.forwards.summary()
                                                       if self.planner.forwards is not None else None)
+            self._profile.live_stats = lambda: self.planner.stats
             if not _is_cpu:
                 self._profile.device_marks(torch.get_device_module(self.device))
         self._fwd_marks = [None, None]  # device marks around the last forward call (profile only)
@@ -205,10 +206,14 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         """Called by the decode-report hook after SGLang logged: publish gauges, start a new interval."""
         if self._gauges is not None and self.planner.stats.verified_requests:
             self._gauges.publish(self.planner.stats.summary())
+        if self._profile is not None:
+            self._profile.fold(self.planner.stats)
         self.planner.stats.reset()
 
     # -------------------------------------------------------------------- SGLang callbacks
     def clear_cache_pool(self):
+        if self._profile is not None:
+            self._profile.fold(self.planner.stats)
         self.planner = self._new_planner()
         if self._state is not None:
             self._state.load(self.planner.controller)

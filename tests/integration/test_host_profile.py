@@ -1,6 +1,8 @@
 """The opt-in profile's device clock (`ngramspec_sglang.diagnostics.HostProfile.add_device`), with fake CUDA events:
 the idle gap before each decode step and its parts, read only once the device passed a step's end."""
 import json
+import sys
+from pathlib import Path
 
 from ngramspec_sglang.diagnostics import HostProfile
 
@@ -68,3 +70,30 @@ def test_off_without_a_device():
     assert prof.mark() is None
     prof.add_device(4, 1, (None, None, None, None))
     assert prof.device == {}
+
+
+def test_draft_tokens_by_source_survive_interval_resets_and_reach_the_bench(tmp_path):
+    """The profile's running totals by source: closed intervals folded in, the open one added on top; the engine
+    bench turns two snapshots into tokens per request-step by source."""
+    from ngramspec_sglang.drafting import IntervalStats
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    try:
+        from sglang_engine_bench import diag_delta
+    finally:
+        sys.path.pop(0)
+    prof = HostProfile(str(tmp_path / "p.json"))
+    live = IntervalStats(verified_requests=4, drafted_tokens=20, drafted_recycled=6, observed_requests=4,
+                         realized_accepted=9, accepted_recycled=2)
+    prof.live_stats = lambda: live
+    prof.dump()
+    before = json.load(open(tmp_path / "p.json"))
+    prof.fold(live)  # the decode log closed the interval ...
+    live = IntervalStats(verified_requests=2, drafted_tokens=10, observed_requests=2, realized_accepted=5)
+    assert prof.sources() == {"drafted_ngram": 14 + 10, "drafted_recycled": 6, "accepted_ngram": 7 + 5,
+                              "accepted_recycled": 2, "verified_requests": 6, "observed_requests": 6}
+    prof.dump()
+    after = json.load(open(tmp_path / "p.json"))
+    assert diag_delta(before, after)["sources"] == {
+        "drafted_ngram_per_request": 5.0, "drafted_recycled_per_request": 0.0,
+        "accepted_ngram_per_request": 2.5, "accepted_recycled_per_request": 0.0}
