@@ -168,7 +168,8 @@ class HostProfile:
         estimates = getattr(getattr(self.controller, "costs", None), "row", None)
         if estimates is not None:
             widths = self.controller.costs.widths
-            for b in sorted(self.batches)[:8]:
+            seen = sorted(self.batches)
+            for b in seen if len(seen) <= 8 else seen[:4] + seen[-4:]:  # the smallest and the largest batches
                 row = estimates(b)
                 costs[str(b)] = {str(w): [round(float(c), 4), bool(m)] for w, c, m in zip(widths, row[0], row[1])}
         out["_diag"] = {"reasons": self.reasons, "planned_requests": self.expected[0],
