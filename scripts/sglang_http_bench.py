@@ -11,7 +11,9 @@ what a user's request does). Every server gets --server-args (default: the engin
 no prefill CUDA graphs). `adaptive_mr256` is NGRAM_ADAPTIVE with plain decoding's running-request cap (SGLang caps
 speculative servers at 48). Reported per configuration and rate: output tokens/s, TTFT and inter-token latency
 (bench_serving's ITL: the gap between two streamed chunks; a chunk of several tokens is one gap) median and p99,
-TPOT median, accept length, and each against plain decoding of the same run.
+TPOT median, accept length, and each against plain decoding of the same run; and per rate, from the profiles
+(NGRAMSPEC_SCHED_PROFILE, NGRAMSPEC_PROFILE, set for every server): SGLang's decode step period and for
+NGRAM_ADAPTIVE its mean batch, verify width, host time, measured step costs and cost estimates.
 
 One GPU call (H100/H200, the SGLang 0.5.23 kit copied to .gpukit and carried, a float16 model at $MODEL_DIR, e.g.
 the 8B-cost padded SmolLM2; per configuration about 80 s of start-up and 30-60 s of load):
@@ -31,7 +33,7 @@ import time
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, SCRIPTS)
-from sglang_engine_bench import COPY_PROMPTS, FREE_PROMPTS  # noqa: E402
+from sglang_engine_bench import COPY_PROMPTS, FREE_PROMPTS, profile_delta, profile_snapshot, sched_delta  # noqa: E402
 from sglang_soak import HOST, Server, bench_serving_env, port_answers  # noqa: E402
 
 ROOT = os.path.dirname(SCRIPTS)
@@ -142,6 +144,10 @@ def run_config(a, config: str, datasets: dict) -> dict:
     if port_answers(a.port):
         res["error"] = f"something already answers on port {a.port} (a server left running?)"
         return res
+    # the plugin's profiles (read at each rate's start and end): NGRAM_ADAPTIVE's host time, widths, batch sizes,
+    # step costs and cost estimates; SGLang's scheduler phases and decode step period, for every configuration
+    prof, sched = (os.path.join(os.path.abspath(out), name) for name in ("profile.json", "sched_profile.json"))
+    os.environ["NGRAMSPEC_PROFILE"], os.environ["NGRAMSPEC_SCHED_PROFILE"] = prof, sched
     t = time.time()
     server.start()
     try:
@@ -151,12 +157,16 @@ def run_config(a, config: str, datasets: dict) -> dict:
         res["startup_s"] = round(time.time() - t, 1)
         for rate in a.rates.split(","):
             out_file = os.path.join(out, f"rate_{rate}.jsonl")
+            before = profile_snapshot(prof), profile_snapshot(sched)
             with open(os.path.join(out, f"bench_{rate}.log"), "w") as log:
                 proc = subprocess.run(bench_cmd(a, rate, out_file, datasets[rate]), stdout=log,
                                       stderr=subprocess.STDOUT, timeout=a.bench_timeout, check=False,
                                       env=bench_serving_env(a.out))
             r = read_result(out_file)
-            if proc.returncode != 0 or not r:
+            time.sleep(0.6)  # the profiles are rewritten four times a second
+            r["profile"] = profile_delta(before[0], profile_snapshot(prof))
+            r["scheduler"] = sched_delta(before[1], profile_snapshot(sched))
+            if proc.returncode != 0 or r.get("completed") is None:
                 r["error"] = f"bench_serving exited with {proc.returncode} (see bench_{rate}.log)"
             res["rates"][rate] = r
             if not server.alive():
@@ -194,6 +204,22 @@ def table(results: dict) -> str:
                          + (f"  {r['error']}" if r.get("error") else ""))
         if res.get("error") and res.get("rates"):
             lines.append(f"{config:9s} error: {res['error']}")
+    return "\n".join(lines)
+
+
+def profile_lines(results: dict) -> str:
+    """Per configuration and rate, from the profiles: SGLang's decode step period and host ms per step, and for
+    NGRAM_ADAPTIVE its mean batch, mean verify width and host ms per step."""
+    lines = []
+    for config, res in results.items():
+        for rate, r in res.get("rates", {}).items():
+            sc, pr = r.get("scheduler") or {}, r.get("profile") or {}
+            parts = [f"decode steps {sc['decode_steps']}, period {sc.get('period_ms')} ms"] if sc else []
+            if pr:
+                parts.append(f"mean batch {pr['mean_batch']:.1f}, mean width {pr['mean_width']:.2f}, "
+                             f"plugin host {pr['host_ms_per_step']:.2f} ms/step")
+            if parts:
+                lines.append(f"{config:9s} {rate:>5s} " + "; ".join(parts))
     return "\n".join(lines)
 
 
@@ -251,6 +277,7 @@ def main(argv=None) -> int:
             json.dump({"args": vars(a), "results": results}, f, indent=1)
         print(f"{config}: {json.dumps(results[config])[:300]}", flush=True)
     print(table(results))
+    print(profile_lines(results))
     ok = all("error" not in r and all("error" not in x for x in r["rates"].values()) for r in results.values())
     return 0 if ok else 1
 

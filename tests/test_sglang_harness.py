@@ -167,6 +167,11 @@ def run_stub_server(port: int, out: str) -> None:
                 with lock:
                     state["inflight"] -= 1
                     state["done"] += 1
+                    sched = os.environ.get("NGRAMSPEC_SCHED_PROFILE")
+                    if sched:  # SGLang's scheduler profile, as the plugin's hook writes it: 10 steps of 5 ms each
+                        steps = 10 * state["done"]
+                        Path(sched).write_text(json.dumps({"decode_steps": steps, "decode_periods": steps,
+                                                           "decode_period_s": 0.005 * steps, "phases": {}}))
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True
@@ -765,6 +770,9 @@ def test_http_bench_against_a_stub_server(tmp_path):
     assert list(res) == ["plain", "ngram", "adaptive"]
     for r in res.values():
         assert set(r["rates"]) == {"inf", "8"} and all(x["completed"] == 4 for x in r["rates"].values())
+        # each rate's own scheduler profile: the stub's bench sends 4 requests (10 decode steps each, 5 ms)
+        assert all(x["scheduler"]["decode_steps"] == 40 and x["scheduler"]["period_ms"] == 5.0
+                   for x in r["rates"].values())
     assert "1.000" in proc.stdout  # every config against plain decoding of the same run
     by_rate = [json.loads((out / f"prompts_sharegpt_{rate}.json").read_text()) for rate in ("inf", "8")]
     for prompts in by_rate:
