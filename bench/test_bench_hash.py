@@ -4,10 +4,11 @@ live nodes (the cache as it is) against hashing into the whole tables (as a cach
     .venv-sglang/bin/python -m pytest bench/test_bench_hash.py --benchmark-only -s
 
 The planner is built as the server builds it (`resolve_config` of SGLang's defaults: a node pool of 5 million per
-trie, 16-token verifies). ``batch`` requests of 300 random prompt tokens each; every step each request commits
-``COMMIT`` tokens that copy its prompt (what a copy-heavy request commits at a high accept length), ``STEPS``
-steps. The figure is the median over steps (after ``WARM`` untimed ones) and rounds of one `DraftPlanner.plan`
-call, µs (wall), the two variants interleaved round by round. Both variants must plan identically (asserted).
+trie, 16-token verifies). ``batch`` requests (1, 8, 16, and 48: SGLang's cap on a speculative server's running
+requests) of 300 random prompt tokens each; every step each request commits ``COMMIT`` tokens that copy its prompt
+(what a copy-heavy request commits at a high accept length), ``STEPS`` steps. The figure is the median over steps
+(after ``WARM`` untimed ones) and rounds of one `DraftPlanner.plan` call, µs (wall), the two variants interleaved
+round by round. Both variants must plan identically (asserted).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def _replay(planner: DraftPlanner, batch: int, seed: int):
     return times[WARM:], plans
 
 
-@pytest.mark.parametrize("batch", (1, 8, 16))
+@pytest.mark.parametrize("batch", (1, 8, 16, 48))
 def test_planner_copy_heavy_hash_views(benchmark, batch, capsys):
     config = resolve_config(SimpleNamespace(speculative_num_draft_tokens=16))
     DraftPlanner(config).warm_up()
