@@ -7,13 +7,14 @@ ShareGPT-format files written to --out (no download), one per rate, so that no r
 that an earlier rate put into the server's caches: half copy-heavy (a function of this checkout's own source to
 comment, annotate, rename or repeat), half free text (a poem, story, facts or explanation on one of 40 topics), no
 two equal, with the model's chat template; up to --max-new-tokens each, stopping at EOS (`--disable-ignore-eos`:
-what a user's request does). Every server gets --server-args (default: the engine bench's memory fraction 0.5 and
-no prefill CUDA graphs). `adaptive_mr256` is NGRAM_ADAPTIVE with plain decoding's running-request cap (SGLang caps
-speculative servers at 48). Reported per configuration and rate: output tokens/s, TTFT and inter-token latency
-(bench_serving's ITL: the gap between two streamed chunks; a chunk of several tokens is one gap) median and p99,
-TPOT median, accept length, and each against plain decoding of the same run; and per rate, from the profiles
-(NGRAMSPEC_SCHED_PROFILE, NGRAMSPEC_PROFILE, set for every server): SGLang's decode step period and for
-NGRAM_ADAPTIVE its mean batch, verify width, host time, measured step costs and cost estimates.
+what a user's request does). Every server gets the engine bench's settings (`COMMON`: memory fraction 0.5, no
+prefill CUDA graphs, Triton attention, PyTorch sampling), then --server-args. `adaptive_mr256` is NGRAM_ADAPTIVE
+with plain decoding's running-request cap (SGLang caps speculative servers at 48). Reported per configuration and
+rate: output tokens/s, TTFT and inter-token latency (bench_serving's ITL: the gap between two streamed chunks; a
+chunk of several tokens is one gap) median and p99, TPOT median, accept length, and each against plain decoding of
+the same run; and per rate, from the profiles (NGRAMSPEC_SCHED_PROFILE, NGRAMSPEC_PROFILE, set for every server):
+SGLang's decode step period and for NGRAM_ADAPTIVE its mean batch, verify width, host time, measured step costs and
+cost estimates.
 
 One GPU call (H100/H200, the SGLang 0.5.23 kit copied to .gpukit and carried, a float16 model at $MODEL_DIR, e.g.
 the 8B-cost padded SmolLM2; per configuration about 80 s of start-up and 30-60 s of load):
@@ -33,7 +34,8 @@ import time
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, SCRIPTS)
-from sglang_engine_bench import COPY_PROMPTS, FREE_PROMPTS, profile_delta, profile_snapshot, sched_delta  # noqa: E402
+import sglang_engine_bench as engine_bench  # noqa: E402
+from sglang_engine_bench import COMMON, COPY_PROMPTS, FREE_PROMPTS  # noqa: E402
 from sglang_soak import HOST, Server, bench_serving_env, port_answers  # noqa: E402
 
 ROOT = os.path.dirname(SCRIPTS)
@@ -45,10 +47,18 @@ CONFIGS = {
     # cap on an 80-141 GB GPU is 256 (its largest decode CUDA graph)
     "adaptive_mr256": ["--speculative-algorithm", "NGRAM_ADAPTIVE", "--max-running-requests", "256"],
 }
-# what the engine bench (sglang_engine_bench.py) gives every configuration: room left for the cost-padded models'
-# activations, and no prefill CUDA graphs (their capture at SGLang's default memory fraction stalls the 8B-cost
-# model's start-up)
-DEFAULT_SERVER_ARGS = "--mem-fraction-static 0.5 --disable-prefill-cuda-graph"
+
+
+def common_cli() -> list[str]:
+    """The engine bench's settings for every configuration (`COMMON`: Triton attention, PyTorch sampling, memory
+    fraction 0.5, no prefill CUDA graphs, seed, log level) as launch_server flags."""
+    out = []
+    for key, value in COMMON.items():
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
+
+
 COPY_ASKS = ("Rewrite this code with a docstring and comments, keeping all the code:",
              "Add type hints to this function and give back the whole function:",
              "Give this code descriptive variable names; return all of it:",
@@ -105,9 +115,7 @@ def server_cmd(a, config: str) -> list[str]:
     if a.server_cmd:  # a stand-in server (tests)
         return [x.format(port=a.port, config=config) for x in json.loads(a.server_cmd)]
     return ([sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--host", HOST,
-             "--port", str(a.port), "--dtype", a.dtype, "--attention-backend", "triton",
-             "--sampling-backend", "pytorch", "--random-seed", "0", "--log-level", "warning"]
-            + CONFIGS[config] + shlex.split(a.server_args))
+             "--port", str(a.port), "--dtype", a.dtype] + common_cli() + CONFIGS[config] + shlex.split(a.server_args))
 
 
 def bench_cmd(a, rate: str, out_file: str, dataset: str) -> list[str]:
@@ -157,15 +165,15 @@ def run_config(a, config: str, datasets: dict) -> dict:
         res["startup_s"] = round(time.time() - t, 1)
         for rate in a.rates.split(","):
             out_file = os.path.join(out, f"rate_{rate}.jsonl")
-            before = profile_snapshot(prof), profile_snapshot(sched)
+            before = engine_bench.profile_snapshot(prof), engine_bench.profile_snapshot(sched)
             with open(os.path.join(out, f"bench_{rate}.log"), "w") as log:
                 proc = subprocess.run(bench_cmd(a, rate, out_file, datasets[rate]), stdout=log,
                                       stderr=subprocess.STDOUT, timeout=a.bench_timeout, check=False,
                                       env=bench_serving_env(a.out))
             r = read_result(out_file)
             time.sleep(0.6)  # the profiles are rewritten four times a second
-            r["profile"] = profile_delta(before[0], profile_snapshot(prof))
-            r["scheduler"] = sched_delta(before[1], profile_snapshot(sched))
+            r["profile"] = engine_bench.profile_delta(before[0], engine_bench.profile_snapshot(prof))
+            r["scheduler"] = engine_bench.sched_delta(before[1], engine_bench.profile_snapshot(sched))
             if proc.returncode != 0 or r.get("completed") is None:
                 r["error"] = f"bench_serving exited with {proc.returncode} (see bench_{rate}.log)"
             res["rates"][rate] = r
@@ -234,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=4, help="bench_serving's --warmup-requests before each rate")
     p.add_argument("--port", type=int, default=30300)
     p.add_argument("--dtype", default="float16")
-    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
-                   help=f"more launch_server arguments, for every config (default: {DEFAULT_SERVER_ARGS!r})")
+    p.add_argument("--server-args", default="", help="more launch_server arguments, for every config (after the "
+                   "engine bench's settings, which a repeated flag overrides)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--bench-timeout", type=float, default=600.0, help="seconds one bench_serving run may take")
     p.add_argument("--server-cmd", help=argparse.SUPPRESS)  # tests: a stand-in server, JSON list ({port}, {config})

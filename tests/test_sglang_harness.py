@@ -745,13 +745,17 @@ def test_http_bench_prompts_never_repeat_at_the_default_size():
     """200 prompts at each of two rates: no prompt twice, so no rate is measured on outputs already cached."""
     sys.path.insert(0, str(ROOT / "scripts"))
     try:
-        from sglang_http_bench import sharegpt_prompts
+        from sglang_http_bench import build_parser, server_cmd, sharegpt_prompts
     finally:
         sys.path.remove(str(ROOT / "scripts"))
     texts = [p["conversations"][0]["value"] for off in (0, 200) for p in sharegpt_prompts(200, offset=off)]
     assert len(texts) == 400 and len(set(texts)) == 400
     codes = [t.split("\n\n", 1)[1] for t in texts[0::2]]
     assert len(set(codes)) == 200 and all(len(c.splitlines()) >= 6 for c in codes)
+    # every server runs with the engine bench's settings (the memory the 8B-cost model's start-up needs)
+    cmd = server_cmd(build_parser().parse_args(["--model", "M", "--out", "o"]), "adaptive")
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.5" and "--disable-prefill-cuda-graph" in cmd
+    assert cmd[-2:] == ["--speculative-algorithm", "NGRAM_ADAPTIVE"]
 
 
 def test_http_bench_against_a_stub_server(tmp_path):
