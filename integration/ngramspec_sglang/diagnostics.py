@@ -12,18 +12,6 @@ import numpy as np
 
 from .sched_profile import dump_periodically
 
-SOURCE_KEYS = ("drafted_ngram", "drafted_recycled", "accepted_ngram", "accepted_recycled", "verified_requests",
-               "observed_requests")
-
-
-def source_counts(stats) -> dict[str, int]:
-    """An `IntervalStats`' draft tokens sent and accepted by source (the n-gram cache, token recycling), and the
-    request-steps they are over."""
-    return {"drafted_ngram": stats.drafted_tokens - stats.drafted_recycled, "drafted_recycled": stats.drafted_recycled,
-            "accepted_ngram": stats.realized_accepted - stats.accepted_recycled,
-            "accepted_recycled": stats.accepted_recycled, "verified_requests": stats.verified_requests,
-            "observed_requests": stats.observed_requests}
-
 
 class HostProfile:
     """Host seconds per decode step by phase (NGRAMSPEC_PROFILE=FILE): waiting for the previous step's tokens,
@@ -52,7 +40,7 @@ class HostProfile:
         self._pending: deque = deque()
         self._prev_end = None  # the end mark of the last decode step (None after a prefill)
         # draft tokens sent and accepted by source since start: intervals already closed (`fold`) plus the open one
-        self.source_totals = dict.fromkeys(SOURCE_KEYS, 0)
+        self.source_totals: dict[str, int] = {}
         self.live_stats = None  # () -> the planner's open interval (`IntervalStats`), or None
         dump_periodically(lambda: self.steps, self.dump, "ngramspec-profile")
 
@@ -100,14 +88,16 @@ class HostProfile:
 
     def fold(self, stats) -> None:
         """Add an interval's counts (`IntervalStats`) before the planner starts a new one or is replaced."""
-        for key, value in source_counts(stats).items():
-            self.source_totals[key] += value
+        for key, value in stats.by_source().items():
+            self.source_totals[key] = self.source_totals.get(key, 0) + value
 
     def sources(self) -> dict[str, int]:
         """Draft tokens sent and accepted, by source, since start (closed intervals and the open one)."""
         live = self.live_stats() if self.live_stats is not None else None
-        now = source_counts(live) if live is not None else {}
-        return {key: total + now.get(key, 0) for key, total in self.source_totals.items()}
+        out = dict(self.source_totals)
+        for key, value in (live.by_source() if live is not None else {}).items():
+            out[key] = out.get(key, 0) + value
+        return out
 
     def count_preplan(self, outcome: str) -> None:
         self.preplan[outcome] = self.preplan.get(outcome, 0) + 1

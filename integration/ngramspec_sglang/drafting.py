@@ -162,18 +162,25 @@ class IntervalStats:
         """1 + drafted tokens per verified request: SGLang's accept rate is exact under this width."""
         return 1.0 + self.drafted_tokens / max(1, self.verified_requests)
 
+    def by_source(self) -> dict[str, int]:
+        """Draft tokens sent and accepted by source (the n-gram cache, token recycling), and the request-steps
+        they are over."""
+        return {"drafted_ngram": self.drafted_tokens - self.drafted_recycled, "drafted_recycled": self.drafted_recycled,
+                "accepted_ngram": self.realized_accepted - self.accepted_recycled,
+                "accepted_recycled": self.accepted_recycled, "verified_requests": self.verified_requests,
+                "observed_requests": self.observed_requests}
+
     def summary(self) -> dict[str, float]:
         n, m = max(1, self.verified_requests), max(1, self.observed_requests)
+        src = self.by_source()
         return {
             "mean_verify_width": self.width_tokens / n,
             "drafted_tokens_per_request": self.drafted_tokens / n,
             "predicted_accept_length": self.expected_tokens / n,
             "realized_accept_length": 1.0 + self.realized_accepted / m,
             # by source: the n-gram cache's drafts and token recycling's, per request and step
-            "drafted_ngram_per_request": (self.drafted_tokens - self.drafted_recycled) / n,
-            "drafted_recycled_per_request": self.drafted_recycled / n,
-            "accepted_ngram_per_request": (self.realized_accepted - self.accepted_recycled) / m,
-            "accepted_recycled_per_request": self.accepted_recycled / m,
+            **{f"{k}_per_request": src[k] / (n if k.startswith("drafted") else m)
+               for k in ("drafted_ngram", "drafted_recycled", "accepted_ngram", "accepted_recycled")},
         }
 
     def reset(self) -> None:
