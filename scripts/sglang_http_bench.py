@@ -9,7 +9,8 @@ comment, annotate, rename or repeat), half free text (a poem, story, facts or ex
 two equal, with the model's chat template; up to --max-new-tokens each, stopping at EOS (`--disable-ignore-eos`:
 what a user's request does). Every server gets the engine bench's settings (`COMMON`: memory fraction 0.5, no
 prefill CUDA graphs, Triton attention, PyTorch sampling), then --server-args. `adaptive_mr256` is NGRAM_ADAPTIVE
-with plain decoding's running-request cap (SGLang caps speculative servers at 48). Reported per configuration and
+with plain decoding's running-request cap (SGLang caps speculative servers at 48), `adaptive_mr256_tb` the same
+with no verify above 768 tokens (the controller's `max_step_tokens`). Reported per configuration and
 rate: output tokens/s, TTFT and inter-token latency (bench_serving's ITL: the gap between two streamed chunks; a
 chunk of several tokens is one gap) median and p99, TPOT median, accept length, and each against plain decoding of
 the same run; and per rate, from the profiles (NGRAMSPEC_SCHED_PROFILE, NGRAMSPEC_PROFILE, set for every server):
@@ -46,7 +47,27 @@ CONFIGS = {
     # SGLang caps a speculative server at 48 running requests (NGRAM and NGRAM_ADAPTIVE alike); plain decoding's
     # cap on an 80-141 GB GPU is 256 (its largest decode CUDA graph)
     "adaptive_mr256": ["--speculative-algorithm", "NGRAM_ADAPTIVE", "--max-running-requests", "256"],
+    # the same, no verify above 768 tokens (batch x width: what the 48-request cap allowed at width 16), so at large
+    # batches it verifies narrow or not at all whatever its cost estimates say (a dict: the adaptive config file)
+    "adaptive_mr256_tb": ["--speculative-algorithm", "NGRAM_ADAPTIVE", "--max-running-requests", "256",
+                          {"controller": {"max_step_tokens": 768}}],
 }
+
+
+def config_cli(a, config: str) -> list[str]:
+    """A configuration's launch_server flags; its dict, if any, written to --out as the
+    `--speculative-adaptive-config` file."""
+    out = []
+    for item in CONFIGS[config]:
+        if isinstance(item, dict):
+            path = os.path.join(a.out, config, "adaptive_config.json")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(item, f)
+            out += ["--speculative-adaptive-config", path]
+        else:
+            out.append(item)
+    return out
 
 
 def common_cli() -> list[str]:
@@ -115,7 +136,8 @@ def server_cmd(a, config: str) -> list[str]:
     if a.server_cmd:  # a stand-in server (tests)
         return [x.format(port=a.port, config=config) for x in json.loads(a.server_cmd)]
     return ([sys.executable, "-m", "sglang.launch_server", "--model-path", a.model, "--host", HOST,
-             "--port", str(a.port), "--dtype", a.dtype] + common_cli() + CONFIGS[config] + shlex.split(a.server_args))
+             "--port", str(a.port), "--dtype", a.dtype] + common_cli() + config_cli(a, config)
+            + shlex.split(a.server_args))
 
 
 def bench_cmd(a, rate: str, out_file: str, dataset: str) -> list[str]:

@@ -721,3 +721,51 @@ def test_drain_min_judges_a_draining_batch_by_its_slowest_request():
     assert queued == queued_min
     with pytest.raises(ValueError, match="drain"):
         AdaptiveController(drain="max")
+
+
+def _copying_batch(ctl, B, steps, fast, rng_seed=7):
+    """``B`` requests copying passages they have seen (every draft token right), verify cost flat in width (the
+    widest pays most); the widths the controller chose, step by step (``fast``: through ``step``, else ``plan``)."""
+    rng = np.random.default_rng(rng_seed)
+    cache = NgramCache(max_depth=16)
+    texts = [rng.integers(1000, 50000, 400).tolist() for _ in range(B)]
+    for r in range(B):
+        cache.start_request(r, texts[r] + texts[r][:5])  # the passage, then its start again: copying from there
+        ctl.start(r)
+    rids, pos, log, commit = list(range(B)), [5] * B, [], None
+    for _ in range(steps):
+        if fast:
+            batch, plan = ctl.step(cache, rids, commit)
+        else:
+            batch = cache.propose(rids, ctl.max_width - 1)
+            plan = ctl.plan(rids, batch)
+        drafts = [batch.draft(i).prefix(int(plan.lengths[i])).tokens.tolist() for i in rids]
+        assert all(d == texts[i][pos[i]:pos[i] + len(d)] for i, d in enumerate(drafts)), "a copy's drafts are right"
+        commit = [texts[i][pos[i]:pos[i] + 1 + len(drafts[i])] for i in rids]
+        for i in rids:
+            pos[i] += len(commit[i])
+            if not fast:
+                cache.add_tokens(i, commit[i])
+                ctl.observe_tokens(i, commit[i])
+        ctl.observe_step(B, plan.width, 10.0)
+        log.append(plan.width)
+    return log
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_max_step_tokens_bounds_batch_times_width(fast):
+    def run(B, **kw):
+        return _copying_batch(AdaptiveController(prior=lambda b, w: 10.0, **kw), B, 14, fast)
+
+    free = run(16, explore_frac=0.5)
+    assert max(free) > 8, f"without a limit the widest verify should win here, got {free}"
+    capped = run(16, explore_frac=0.5, max_step_tokens=64)
+    assert max(capped) <= 4 and capped.count(4) >= len(capped) // 2, capped
+    one = run(1, max_step_tokens=64)
+    assert max(one) == 16, f"one request may verify 16 tokens under a limit of 64, got {one}"
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "64"])
+def test_bad_max_step_tokens_is_rejected(bad):
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        AdaptiveController(max_step_tokens=bad)

@@ -296,8 +296,9 @@ class DraftPlanner:
             else:
                 decision = ctl.plan(rids, batch, waiting=waiting)
         width = int(decision.width)
+        limit = getattr(ctl, "max_step_tokens", None)
         self.fitted = (fit_width is not None and fit_width != width and fits_prepared(width, fit_width)
-                       and self.layout is _default_layout)
+                       and self.layout is _default_layout and (limit is None or fit_width * len(rids) <= limit))
         if self.fitted:
             lengths = np.minimum(np.asarray(decision.lengths, dtype=np.int64), fit_width - 1)
             plan = self._build(views, batch, decision, lasts, width=fit_width, lengths=lengths)

@@ -11,7 +11,9 @@ requests' geometric-mean speed instead, B * (prod_i (1 + sum_j P_ij))^(1/B) / c(
 every request in the batch, so one request's long draft must not slow the others down (in a finite replay the
 last, longest requests set the makespan; in a server each request's latency counts). Either way a width must
 beat plain decoding by ``min_gain`` per decode-step of extra time it costs (c(B, n) / c(B, 1) - 1): a wider
-verify risks more time on a wrong estimate.
+verify risks more time on a wrong estimate. With ``max_step_tokens``, a width n > 1 is considered only while
+B x n is at most that many tokens: at large batch sizes a server verifies narrow or not at all, whatever its cost
+estimates say (they are least sure there: an unmeasured batch size borrows a measured one's costs).
 
 **P (acceptance)**. The cache gives each node a path probability from counts; the controller turns each node's
 conditional (its probability over its parent's) into a calibrated conditional acceptance, learned online from
@@ -142,7 +144,7 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
                  prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
                  request_alpha: float = 0.25, min_gain: float = 0.1, cost_clip: float | None = 2.0,
                  stale_after: int | None = 500, trace_len: int = 1000, predictor: str = "beta",
-                 drain: str = "gmean", request_prior: float | None = 4.0):
+                 drain: str = "gmean", request_prior: float | None = 4.0, max_step_tokens: int | None = None):
         if predictor not in ("beta", "logistic"):
             raise ValueError(f"predictor must be 'beta' or 'logistic', got {predictor!r}")
         if drain not in _DRAIN:
@@ -171,6 +173,10 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
             raise ValueError(f"request_prior must be a positive number of nodes or None, got {request_prior!r}")
         self.request_prior = None if request_prior is None else float(request_prior)
         self.min_gain = float(min_gain)
+        if max_step_tokens is not None and (isinstance(max_step_tokens, bool) or not isinstance(
+                max_step_tokens, (int, np.integer)) or max_step_tokens < 1):
+            raise ValueError(f"max_step_tokens must be an int >= 1 or None, got {max_step_tokens!r}")
+        self.max_step_tokens = None if max_step_tokens is None else int(max_step_tokens)
         # the acceptance counts (public: inspect, copy, load) and the logistic correction's weights if any
         self.calibration = Calibration.empty(logistic=predictor == "logistic")
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
@@ -187,7 +193,8 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
         # per-step scratch, grown on demand
         W = len(widths)
         self._sc = Scratch(np.zeros(64, np.int64), np.zeros(64), np.zeros((8, W)), np.zeros(W), np.zeros(W),
-                           np.zeros(64, np.int64), np.zeros(65, np.int64), np.zeros(6, np.int64))
+                           np.zeros(64, np.int64), np.zeros(65, np.int64), np.zeros(6, np.int64),
+                           np.array([self.max_step_tokens or 0], np.int64))
         # `step` calls its kernels through their compiled entry points (see ngramspec._cache_api.Direct): every
         # argument there has one fixed numba type (the cache's state and output buffers, this controller's own
         # arrays, token and slot arrays of one dtype and layout)

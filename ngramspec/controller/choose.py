@@ -44,9 +44,10 @@ def _choose(offsets, widths, row, draining, min_gain, may_explore, may_remeasure
     best = -1
     best_score = -np.inf
     plain = costs[0]
+    limit = sc.limit[0]
     for w in range(W):
         values[w] = -np.inf
-        if widths[w] > 1 and not any_draft:
+        if widths[w] > 1 and (not any_draft or (limit > 0 and widths[w] * B > limit)):
             continue
         if draining == 3:  # the harmonic mean of the requests' rates, as a batch rate (drain="hmean")
             inv = 0.0
@@ -77,7 +78,7 @@ def _choose(offsets, widths, row, draining, min_gain, may_explore, may_remeasure
         # first: it bounds the interpolation of every width below it)
         pick = -1
         for w in range(W):
-            if not measured[w] and expected[w] / (optimism * costs[w]) > values[best]:
+            if not measured[w] and values[w] > -np.inf and expected[w] / (optimism * costs[w]) > values[best]:
                 pick = w
         if pick >= 0:
             best = pick
@@ -87,7 +88,7 @@ def _choose(offsets, widths, row, draining, min_gain, may_explore, may_remeasure
         # would win at that (one stall must not ban a width for good)
         pick = -1
         for w in range(W):
-            if stale[w] and w != best and costs[w] > REMEASURE_RATIO * implied[w] \
+            if stale[w] and w != best and values[w] > -np.inf and costs[w] > REMEASURE_RATIO * implied[w] \
                     and expected[w] / (optimism * implied[w]) > values[best]:
                 pick = w
         if pick >= 0:

@@ -51,3 +51,27 @@ def test_a_misspelt_controller_knob_is_refused(tmp_path):
                                             speculative_ngram_max_bfs_breadth=10))
     with pytest.raises(ValueError, match="min_gian"):
         make_controller(config)
+
+
+def test_the_http_bench_configs_resolve_and_write_their_file(tmp_path):
+    """`scripts/sglang_http_bench.py`: a configuration's dict becomes its `--speculative-adaptive-config` file, which
+    the plugin accepts and whose controller options reach the controller."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from sglang_http_bench import CONFIGS, build_parser, server_cmd
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    checked = 0
+    for name, items in CONFIGS.items():
+        cmd = server_cmd(build_parser().parse_args(["--model", "M", "--out", str(tmp_path)]), name)
+        if "--speculative-adaptive-config" not in cmd:
+            continue
+        path = cmd[cmd.index("--speculative-adaptive-config") + 1]
+        assert path.startswith(str(tmp_path)) and json.loads(Path(path).read_text()) == items[-1]
+        config = resolve_config(SimpleNamespace(speculative_num_draft_tokens=None, speculative_adaptive_config=path,
+                                                speculative_ngram_max_bfs_breadth=10))
+        ctl = make_controller(config)
+        if "max_step_tokens" in items[-1].get("controller", {}):
+            assert ctl.max_step_tokens == items[-1]["controller"]["max_step_tokens"]
+        checked += 1
+    assert checked >= 1

@@ -453,12 +453,16 @@ def test_fits_prepared_is_within_a_factor_two_and_both_drafting():
     assert not fits_prepared(1, 2) and not fits_prepared(2, 1) and not fits_prepared(1, 1)
 
 
-def _fit_pair(width, fit_width, widths=(1, 2, 4, 8, 16)):
-    """The same two steps planned twice, the second once as chosen and once fitted to ``fit_width``."""
+def _fit_pair(width, fit_width, widths=(1, 2, 4, 8, 16), max_step_tokens=None):
+    """The same two steps planned twice (two requests), the second once as chosen and once fitted to
+    ``fit_width``."""
     text = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3] * 3
     plans = []
     for fit in (None, fit_width):
-        p = planner(widths=widths, controller=RecordingController([width, width]))
+        ctl = RecordingController([width, width])
+        if max_step_tokens is not None:
+            ctl.max_step_tokens = max_step_tokens
+        p = planner(widths=widths, controller=ctl)
         p.plan([RequestView("r", text, []), RequestView("s", text[:20], [])])
         plans.append((p, p.plan([RequestView("r", text, [3, 1]), RequestView("s", text[:20], [])],
                                 fit_width=fit)))
@@ -487,6 +491,15 @@ def test_a_plan_far_from_the_prepared_width_keeps_its_own(width, fit_width):
     (_, own), (p1, plan) = _fit_pair(width, fit_width)
     assert plan.width == width and not p1.fitted
     assert plan.tokens.tolist() == own.tokens.tolist() and plan.drafted.tolist() == own.drafted.tolist()
+
+
+def test_a_prepared_width_above_the_controllers_token_limit_is_not_taken():
+    """A controller with ``max_step_tokens`` never verifies more tokens than that: a verify prepared wider than the
+    limit allows for the batch is not fitted to (two requests at width 16 are 32 tokens)."""
+    (_, own), (p1, plan) = _fit_pair(8, 16, max_step_tokens=16)
+    assert plan.width == 8 and not p1.fitted and plan.tokens.tolist() == own.tokens.tolist()
+    (_, own), (p1, plan) = _fit_pair(8, 16, max_step_tokens=32)
+    assert plan.width == 16 and p1.fitted
 
 
 def test_recycling_drafts_where_the_ngram_cache_has_nothing():
