@@ -66,8 +66,17 @@ def _update(succ, tokens, topk):
 def _draft(succ, root, tpl_parents, tpl_ranks, max_nodes, out_tokens, out_parents):
     """Expand the template from ``root``; a node whose candidate is missing (-1) is left out with its subtree.
     Returns the number of nodes written (at most ``max_nodes``)."""
+    slot = np.full(tpl_parents.shape[0], -1, np.int64)
+    return _expand(succ, root, tpl_parents, tpl_ranks, max_nodes, out_tokens, out_parents, slot)
+
+
+@njit(cache=True)
+def _expand(succ, root, tpl_parents, tpl_ranks, max_nodes, out_tokens, out_parents, slot):
+    """`_draft` into the caller's ``slot`` (one entry per template node): template node -> output index, -1 where
+    left out. Output node m is template node j where slot[j] == m (so its rank is tpl_ranks[j])."""
     n_tpl = tpl_parents.shape[0]
-    slot = np.full(n_tpl, -1, np.int64)  # template node -> output index (-1: left out)
+    for j in range(n_tpl):
+        slot[j] = -1
     n = 0
     k = succ.shape[1]
     for j in range(n_tpl):
@@ -172,55 +181,97 @@ def with_recycled(batch, table: "RecycleTable", roots, budget: int, min_match: i
     from ngramspec.cache import _draft_batch
 
     B = len(batch)
-    ranks = table.tpl_ranks
-    toks, pars, probs, srcs, mlens = [], [], [], [], np.asarray(batch.match_lens, np.int64).copy()
+    budget = max(0, int(budget))
+    roots = np.ascontiguousarray(roots, np.int64)
+    if roots.shape != (B,):
+        raise ValueError(f"roots: one token per request ({B}), got shape {roots.shape}")
+    if B and (roots.min() < 0 or roots.max() >= table.vocab_size):
+        raise ValueError(f"roots must be token ids in 0..{table.vocab_size - 1}")
+    n_in = int(batch.offsets[B])
+    cap = n_in + B * min(budget, table.tpl_parents.shape[0])
+    tokens, parents = np.empty(cap, np.int32), np.empty(cap, np.int32)
+    probs, sources = np.empty(cap, np.float32), np.empty(cap, np.int8)
+    offsets, mlens = np.empty(B + 1, np.int64), np.asarray(batch.match_lens, np.int64).copy()
+    used = _merge_recycled(batch.tokens, batch.parents, batch.probs, batch.sources, batch.offsets, table.succ,
+                           table.tpl_parents, table.tpl_ranks, RANK_CONDITIONAL, roots, budget, int(min_match),
+                           bool(widen), tokens, parents, probs, sources, offsets, mlens)
+    n = int(offsets[B])
+    return _draft_batch(tokens[:n], parents[:n], probs[:n], sources[:n], offsets, mlens), int(used)
+
+
+@njit(cache=True)
+def _merge_recycled(b_tokens, b_parents, b_probs, b_sources, b_offsets, succ, tpl_parents, tpl_ranks, rank_q, roots,
+                    budget, min_match, widen, tokens, parents, probs, sources, offsets, mlens):
+    """`with_recycled`'s work in one call: writes the merged batch into the output arrays (room for the input
+    nodes plus ``budget`` per request), ``offsets`` and ``mlens`` (the input match lengths, 0 where recycling
+    replaced the draft); returns how many requests drafted from recycling."""
+    B = b_offsets.shape[0] - 1
+    n_tpl = tpl_parents.shape[0]
+    t = np.empty(n_tpl, np.int32)
+    p = np.empty(n_tpl, np.int32)
+    slot = np.empty(n_tpl, np.int64)
+    rank = np.empty(n_tpl, np.int64)
+    path = np.empty(n_tpl, np.float64)
+    new_index = np.empty(n_tpl, np.int64)
+    nq = rank_q.shape[0]
+    out = 0
     used = 0
+    offsets[0] = 0
     for i in range(B):
-        a, b = int(batch.offsets[i]), int(batch.offsets[i + 1])
-        keep = b > a and batch.match_lens[i] >= min_match
+        a, b = b_offsets[i], b_offsets[i + 1]
+        keep = b > a and mlens[i] >= min_match
+        if keep:  # the n-gram draft first
+            for j in range(a, b):
+                tokens[out + j - a] = b_tokens[j]
+                parents[out + j - a] = b_parents[j]
+                probs[out + j - a] = b_probs[j]
+                sources[out + j - a] = b_sources[j]
         if keep and not widen:
-            toks.append(batch.tokens[a:b])
-            pars.append(batch.parents[a:b])
-            probs.append(batch.probs[a:b])
-            srcs.append(batch.sources[a:b])
+            out += b - a
+            offsets[i + 1] = out
             continue
-        t, p = table.draft(int(roots[i]), budget)
-        q = RANK_CONDITIONAL[np.minimum(ranks[:len(t)], len(RANK_CONDITIONAL) - 1)] if len(t) else np.zeros(0)
-        path = np.empty(len(t), np.float64)
-        for j in range(len(t)):
-            path[j] = q[j] * (path[p[j]] if p[j] >= 0 else 1.0)
-        if keep:  # widen: the n-gram draft, then recycling's other first tokens and their subtrees
+        m = _expand(succ, roots[i], tpl_parents, tpl_ranks, min(budget, n_tpl), t, p, slot)
+        for j in range(n_tpl):
+            if slot[j] >= 0:
+                rank[slot[j]] = tpl_ranks[j]
+        for j in range(m):
+            q = rank_q[min(rank[j], nq - 1)]
+            path[j] = q * (path[p[j]] if p[j] >= 0 else 1.0)
+        if keep:  # widen: recycling's other first tokens and their subtrees, after the n-gram draft
             n = b - a
-            firsts = set(batch.tokens[a:b][batch.parents[a:b] < 0].tolist())
-            new_index = np.full(len(t), -1, np.int64)
-            add = []
-            for j in range(len(t)):
+            added = 0
+            for j in range(m):
+                new_index[j] = -1
                 if p[j] < 0:
-                    if int(t[j]) in firsts:
+                    dup = False
+                    for k in range(a, b):
+                        if b_parents[k] < 0 and b_tokens[k] == t[j]:
+                            dup = True
+                            break
+                    if dup:
                         continue
                 elif new_index[p[j]] < 0:
                     continue
-                new_index[j] = n + len(add)
-                add.append(j)
-            add = np.asarray(add, np.int64)
-            toks.append(np.concatenate((batch.tokens[a:b], t[add].astype(np.int32))))
-            pars.append(np.concatenate((batch.parents[a:b],
-                                        np.where(p[add] < 0, -1, new_index[np.maximum(p[add], 0)]).astype(np.int32))))
-            probs.append(np.concatenate((batch.probs[a:b], path[add].astype(np.float32))))
-            srcs.append(np.concatenate((batch.sources[a:b], np.full(len(add), RECYCLED, np.int8))))
-            used += len(add) > 0
+                new_index[j] = n + added
+                w = out + n + added
+                tokens[w] = t[j]
+                parents[w] = -1 if p[j] < 0 else new_index[p[j]]
+                probs[w] = path[j]
+                sources[w] = RECYCLED
+                added += 1
+            out += n + added
+            offsets[i + 1] = out
+            if added > 0:
+                used += 1
             continue
-        toks.append(t.astype(np.int32))
-        pars.append(p.astype(np.int32))
-        probs.append(path.astype(np.float32))
-        srcs.append(np.full(len(t), RECYCLED, np.int8))
+        for j in range(m):
+            tokens[out + j] = t[j]
+            parents[out + j] = p[j]
+            probs[out + j] = path[j]
+            sources[out + j] = RECYCLED
+        out += m
+        offsets[i + 1] = out
         mlens[i] = 0
-        used += len(t) > 0
-    offsets = np.zeros(B + 1, np.int64)
-    np.cumsum([len(t) for t in toks], out=offsets[1:])
-
-    def cat(parts, dt):
-        return np.ascontiguousarray(np.concatenate(parts).astype(dt, copy=False)) if parts else np.zeros(0, dt)
-
-    return _draft_batch(cat(toks, np.int32), cat(pars, np.int32), cat(probs, np.float32), cat(srcs, np.int8),
-                        offsets, mlens), used
+        if m > 0:
+            used += 1
+    return used

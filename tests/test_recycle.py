@@ -257,3 +257,98 @@ def test_widening_appends_recycled_alternatives_after_the_ngram_draft():
     assert extra == [30, 31, 50, 60] and d.parents[n:].tolist() == [-1, -1, n, n + 1]
     assert (d.sources[n:] == RECYCLED).all() and merged.match_lens[0] == batch.match_lens[0]
     check_tree(d.tokens, d.parents)
+
+
+def _with_recycled_reference(batch, table, roots, budget, min_match, widen):
+    """`with_recycled` written out in Python over `RecycleTable.draft` (the kernel's reference): per request, the
+    n-gram draft kept, replaced by recycling's, or followed by recycling's other first tokens and their subtrees."""
+    from ngramspec.recycle import RANK_CONDITIONAL, RECYCLED
+
+    parents_t, ranks_t = table.tpl_parents.tolist(), table.tpl_ranks.tolist()
+    rows, used = [], 0
+    for i in range(len(batch)):
+        d = batch.draft(i)
+        ngram = list(zip(d.tokens.tolist(), d.parents.tolist(), d.probs.tolist(), d.sources.tolist()))
+        keep = len(ngram) > 0 and batch.match_lens[i] >= min_match
+        mlen = int(batch.match_lens[i])
+        if keep and not widen:
+            rows.append((ngram, mlen))
+            continue
+        # the template expanded (as the brute-force Model above), with each output node's template rank
+        out, slot = [], {}
+        for j, (p, r) in enumerate(zip(parents_t, ranks_t)):
+            if len(out) >= min(budget, len(parents_t)):
+                break
+            if p >= 0 and p not in slot:
+                continue
+            prev = roots[i] if p < 0 else out[slot[p]][0]
+            tok = int(table.succ[prev, r]) if r < table.k else -1
+            q = -1 if p < 0 else slot[p]
+            if tok < 0 or any(o[0] == tok and o[1] == q for o in out):
+                continue
+            prob = RANK_CONDITIONAL[min(r, len(RANK_CONDITIONAL) - 1)] * (1.0 if q < 0 else out[q][2])
+            slot[j] = len(out)
+            out.append((tok, q, prob))
+        assert [o[0] for o in out] == table.draft(roots[i], budget)[0].tolist()
+        if keep:
+            firsts = {t for t, p, _, _ in ngram if p < 0}
+            new, add = {}, []
+            for j, (tok, q, prob) in enumerate(out):
+                if (q < 0 and tok in firsts) or (q >= 0 and q not in new):
+                    continue
+                new[j] = len(ngram) + len(add)
+                add.append((tok, -1 if q < 0 else new[q], prob, RECYCLED))
+            used += bool(add)
+            rows.append((ngram + add, mlen))
+        else:
+            used += bool(out)
+            rows.append(([(t, q, prob, RECYCLED) for t, q, prob in out], 0))
+    return rows, used
+
+
+@settings(max_examples=150, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=30), min_size=1, max_size=5),
+       updates=st.lists(st.tuples(st.integers(0, 9), st.lists(st.integers(0, 7), min_size=3, max_size=3)),
+                        max_size=40),
+       branching=st.lists(st.integers(1, 3), min_size=1, max_size=4), budget=st.integers(0, 12),
+       min_match=st.integers(0, 4), widen=st.booleans(), seed=st.integers(0, 99))
+def test_with_recycled_matches_its_python_reference(seqs, updates, branching, budget, min_match, widen, seed):
+    """The merge kernel against the Python reference on random caches, tables and templates: the same nodes,
+    parents, probabilities, sources, match lengths and count, and every merged draft a valid tree."""
+    from ngramspec import NgramCache
+    from ngramspec.recycle import with_recycled
+
+    cache = NgramCache(max_depth=6)
+    rids = list(range(len(seqs)))
+    for r, s in zip(rids, seqs):
+        cache.start_request(r, s)
+    batch = cache.propose(rids, 6, tree=bool(seed % 2))
+    table = RecycleTable(16, 3, bfs_template(branching))
+    if updates:
+        table.update(np.array([u[0] for u in updates]), np.array([u[1] for u in updates]))
+    roots = [s[-1] for s in seqs]
+    merged, used = with_recycled(batch, table, roots, budget, min_match=min_match, widen=widen)
+    rows, ref_used = _with_recycled_reference(batch, table, roots, budget, min_match, widen)
+    assert used == ref_used and merged.match_lens.tolist() == [m for _, m in rows]
+    for i, (nodes, _) in enumerate(rows):
+        d = merged.draft(i)
+        assert d.tokens.tolist() == [n[0] for n in nodes] and d.parents.tolist() == [n[1] for n in nodes]
+        assert d.sources.tolist() == [n[3] for n in nodes]
+        assert np.allclose(d.probs, np.array([n[2] for n in nodes], np.float32))
+        check_tree(d.tokens, d.parents)
+
+
+def test_a_recycled_nodes_probability_follows_its_own_rank():
+    """A candidate left out (here a repeated one) does not shift the ranks of the nodes after it: the root's
+    children are the row's ranks 0 and 2, at RANK_CONDITIONAL[0] and [2]."""
+    from ngramspec import NgramCache
+    from ngramspec.recycle import RANK_CONDITIONAL, with_recycled
+
+    cache = NgramCache(max_depth=6)
+    cache.start_request(0, [1, 2, 3])
+    table = RecycleTable(16, 3, bfs_template([3, 1]))
+    table.update(np.array([3, 5]), np.array([[5, 5, 7], [9, 10, 11]]))
+    merged, used = with_recycled(cache.propose([0], 6), table, [3], 8)
+    d = merged.draft(0)
+    assert used == 1 and d.tokens.tolist() == [5, 7, 9] and d.parents.tolist() == [-1, -1, 0]
+    assert np.allclose(d.probs, [RANK_CONDITIONAL[0], RANK_CONDITIONAL[2], RANK_CONDITIONAL[0] ** 2])

@@ -283,9 +283,12 @@ class DraftPlanner:
             if new_rids:
                 self.cache.add_tokens_batch(new_rids, [t for r, t in zip(rids, committed)
                                                        if len(t) and r not in self._untracked])
-            for r, t in zip(rids, committed):
-                if len(t):
-                    ctl.observe_tokens(r, t)
+            if type(ctl) is AdaptiveController:
+                ctl.observe_batch(rids, committed)  # one kernel call for the batch
+            else:
+                for r, t in zip(rids, committed):
+                    if len(t):
+                        ctl.observe_tokens(r, t)
             batch = self._propose(rids)
             if recycling:  # recycling's drafts merged into the cache's (a third source, calibrated apart)
                 batch, used = with_recycled(batch, self.recycle_table, lasts, max(1, self.config.max_width - 1),
