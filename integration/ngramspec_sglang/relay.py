@@ -7,6 +7,7 @@ every step's accepted tokens are padded to the largest width, whatever width it 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
@@ -69,6 +70,14 @@ def prefill_verify_mask(out: torch.Tensor, seq_lens: torch.Tensor, width: int, c
 def write_tree_masks(out: torch.Tensor, index: torch.Tensor, tree_mask: torch.Tensor) -> None:
     """The tree masks ``[bs, width, width]`` into the cells `prefill_verify_mask` left for them."""
     out[index] = tree_mask.reshape(-1).to(out.dtype)
+
+
+def scored_rows(width: int, drafted) -> "np.ndarray":
+    """The rows of a verify's ``len(drafted) x width`` scores that hold a request's root or one of its real draft
+    nodes (request i's rows ``i * width .. i * width + drafted[i]``), flat and in order: what token recycling keeps
+    of a verify (the rest is padding)."""
+    d = np.asarray(drafted, dtype=np.int64).reshape(-1)
+    return np.flatnonzero(np.arange(width)[None, :] <= d[:, None])
 
 
 def padded_rows(accept_tokens: torch.Tensor, stride: int, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -174,8 +174,10 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             return
         table = self.planner.recycle_table
         while self._topk_pending:
-            tokens, topk = self._topk_pending.popleft()
+            tokens, topk, rows = self._topk_pending.popleft()
             tokens, topk = tokens.cpu().numpy(), topk.cpu().numpy()
+            if rows is not None:  # a verify's: its roots' and real drafts' rows (`scored_rows`)
+                tokens, topk = tokens[rows], topk[rows]
             ok = (tokens < table.vocab_size) & (topk < table.vocab_size).all(axis=1) & (tokens >= 0)
             self.planner.recycle_update(tokens[ok], topk[ok])
 

@@ -39,6 +39,7 @@ from .relay import (
     padded_rows,
     prefill_verify_mask,
     relayed_last_tokens,
+    scored_rows,
     write_tree_masks,
 )
 
@@ -400,15 +401,18 @@ class WorkerForward:
         if not self.config.recycle or logits_output is None or logits_output.next_token_logits is None:
             return
         logits = logits_output.next_token_logits
+        rows = None
         if plan is not None:
-            w = plan.width
-            rows = np.concatenate([i * w + np.arange(int(d) + 1) for i, d in enumerate(plan.drafted)])
-            index = torch.from_numpy(rows).to(logits.device, non_blocking=True)
-            logits, tokens = logits.index_select(0, index), tokens.index_select(0, index)
+            # the top-k of every row, the padding's too: the root's and the real drafts' rows are picked on the host
+            # at the flush. An index of them sent to the device here would be a copy from pageable memory, which
+            # makes the host wait for everything queued on the stream, this verify's forward included
+            n = plan.width * len(plan.drafted)
+            logits, tokens = logits[:n], tokens[:n]
+            rows = scored_rows(plan.width, plan.drafted)
         else:
             tokens = tokens[: logits.shape[0]]
         k = min(self.config.recycle_topk, logits.shape[-1])
-        self._topk_pending.append((tokens.clone(), torch.topk(logits, k, dim=-1).indices.to(torch.int32)))
+        self._topk_pending.append((tokens.clone(), torch.topk(logits, k, dim=-1).indices, rows))
 
     def _result(self, logits_output, accept_tokens, accept_lens, new_seq_lens, can_run_cuda_graph, width):
         return GenerationBatchResult(

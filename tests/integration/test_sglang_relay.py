@@ -226,3 +226,19 @@ def test_the_worker_decides_whether_the_relay_carries_host_sequence_lengths(sgla
         assert algo.create_future_map(torch.device("cpu"), pool, needs_cpu_seq_lens=True).needs_cpu_seq_lens
     finally:
         set_cpu_seq_lens_need(None)
+
+
+def test_scored_rows_are_each_requests_root_and_real_drafts():
+    """`scored_rows`: of a verify's bs x width score rows, request i's root and its ``drafted[i]`` real draft
+    nodes, in order (what token recycling keeps), the same as listing them request by request."""
+    import numpy as np
+
+    from ngramspec_sglang.relay import scored_rows
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        w = int(rng.integers(1, 17))
+        drafted = rng.integers(0, w, int(rng.integers(1, 9)))
+        want = np.concatenate([i * w + np.arange(int(d) + 1) for i, d in enumerate(drafted)])
+        assert scored_rows(w, drafted).tolist() == want.tolist()
+    assert scored_rows(4, [3, 0]).tolist() == [0, 1, 2, 3, 4]
