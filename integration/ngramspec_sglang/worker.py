@@ -119,8 +119,9 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._next_roots: tuple | None = None  # (request ids, their last committed tokens on the device)
         self._last_width: int | None = None  # the width of the last drafting step (what `preplan` prepares)
         self._preplan_failed = False  # preparing a verify raised once: `preplan` is off for this server
-        # token recycling (`recycle`): each forward's scored rows (their tokens, the top-k after each) on the device,
-        # handed to the planner's table at the next step that waits for the previous step (every rank alike)
+        # token recycling (`recycle`): each forward's scored rows (their tokens, the top-k after each, the rows a
+        # verify keeps, and on a GPU the event of their copy to the host), handed to the planner's table at the next
+        # step that waits for the previous step (every rank alike)
         self._topk_pending: deque = deque(maxlen=TOPK_PENDING)
         self._forward_s = 0.0
         self._verify_parts = (0.0, 0.0, 0.0)  # the last verify's host seconds: prepare, sample, after (profile)
@@ -174,7 +175,9 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             return
         table = self.planner.recycle_table
         while self._topk_pending:
-            tokens, topk, rows = self._topk_pending.popleft()
+            tokens, topk, rows, done = self._topk_pending.popleft()
+            if done is not None:  # pinned host copies (a GPU): complete once their event is
+                done.synchronize()
             tokens, topk = tokens.cpu().numpy(), topk.cpu().numpy()
             if rows is not None:  # a verify's: its roots' and real drafts' rows (`scored_rows`)
                 tokens, topk = tokens[rows], topk[rows]

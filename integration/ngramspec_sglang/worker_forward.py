@@ -396,8 +396,8 @@ class WorkerForward:
 
     def _keep_topk(self, tokens: torch.Tensor, logits_output, plan) -> None:
         """Token recycling (`recycle`): the top-k tokens after each scored row of this forward and the row's token,
-        kept on the device (`_flush_topk` hands them to the table). ``plan``: a verify's (its padding rows are
-        left out); None: a decode forward, one row per request."""
+        copied to the host as the forward ends (`_flush_topk` hands them to the table). ``plan``: a verify's (its
+        padding rows are left out at the flush); None: a decode forward, one row per request."""
         if not self.config.recycle or logits_output is None or logits_output.next_token_logits is None:
             return
         logits = logits_output.next_token_logits
@@ -412,7 +412,19 @@ class WorkerForward:
         else:
             tokens = tokens[: logits.shape[0]]
         k = min(self.config.recycle_topk, logits.shape[-1])
-        self._topk_pending.append((tokens.clone(), torch.topk(logits, k, dim=-1).indices, rows))
+        ids = torch.topk(logits, k, dim=-1).indices
+        if logits.device.type != "cuda":
+            self._topk_pending.append((tokens.clone(), ids, rows, None))
+            return
+        # copied to pinned host memory at once, stream-ordered (before anything rewrites the tokens' buffer): the
+        # flush, after a wait for a later step, finds them there without a copy of its own
+        host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        host_tokens.copy_(tokens, non_blocking=True)
+        host_ids.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._topk_pending.append((host_tokens, host_ids, rows, done))
 
     def _result(self, logits_output, accept_tokens, accept_lens, new_seq_lens, can_run_cuda_graph, width):
         return GenerationBatchResult(
