@@ -10,7 +10,8 @@ two equal, with the model's chat template; up to --max-new-tokens each, stopping
 what a user's request does). Every server gets the engine bench's settings (`COMMON`: memory fraction 0.5, no
 prefill CUDA graphs, Triton attention, PyTorch sampling), then --server-args. `adaptive_mr256` is NGRAM_ADAPTIVE
 with plain decoding's running-request cap (SGLang caps speculative servers at 48), `adaptive_mr256_tb` the same
-with no verify above 768 tokens (the controller's `max_step_tokens`). Reported per configuration and
+with no verify above 768 tokens (the controller's `max_step_tokens`), `adaptive_dmb48` SGLang's own cap with drafting
+only at batches of up to 48 (`draft_max_batch`). Reported per configuration and
 rate: output tokens/s, TTFT and inter-token latency (bench_serving's ITL: the gap between two streamed chunks; a
 chunk of several tokens is one gap) median and p99, TPOT median, accept length, and each against plain decoding of
 the same run; and per rate, from the profiles (NGRAMSPEC_SCHED_PROFILE, NGRAMSPEC_PROFILE, set for every server):
@@ -51,6 +52,8 @@ CONFIGS = {
     # batches it verifies narrow or not at all whatever its cost estimates say (a dict: the adaptive config file)
     "adaptive_mr256_tb": ["--speculative-algorithm", "NGRAM_ADAPTIVE", "--max-running-requests", "256",
                           {"controller": {"max_step_tokens": 768}}],
+    # SGLang's own running-request cap (plain decoding's); batches above 48 decode plainly and have no verify graphs
+    "adaptive_dmb48": ["--speculative-algorithm", "NGRAM_ADAPTIVE", {"draft_max_batch": 48}],
 }
 
 

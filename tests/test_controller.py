@@ -763,9 +763,13 @@ def test_max_step_tokens_bounds_batch_times_width(fast):
     assert max(capped) <= 4 and capped.count(4) >= len(capped) // 2, capped
     one = run(1, max_step_tokens=64)
     assert max(one) == 16, f"one request may verify 16 tokens under a limit of 64, got {one}"
+    # max_draft_batch: a batch above it decodes plainly, one at or below it drafts as before
+    assert set(run(16, explore_frac=0.5, max_draft_batch=15)) == {1}
+    assert run(16, explore_frac=0.5, max_draft_batch=16) == free
 
 
 @pytest.mark.parametrize("bad", [0, -3, True, 2.5, "64"])
-def test_bad_max_step_tokens_is_rejected(bad):
-    with pytest.raises(ValueError, match="max_step_tokens"):
-        AdaptiveController(max_step_tokens=bad)
+@pytest.mark.parametrize("name", ["max_step_tokens", "max_draft_batch"])
+def test_bad_step_limits_are_rejected(bad, name):
+    with pytest.raises(ValueError, match=name):
+        AdaptiveController(**{name: bad})

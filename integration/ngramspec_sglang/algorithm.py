@@ -70,7 +70,8 @@ class NgramAdaptiveAlgo(CustomSpecAlgo):
         if server_args.device == "cpu" and not server_args.disable_overlap_schedule:
             server_args.disable_overlap_schedule = True
             logger.warning("Overlap schedule is not implemented for speculative decoding on CPU.")
-        if server_args.max_running_requests is None:
+        if server_args.max_running_requests is None and config.draft_max_batch is None:
+            # (with draft_max_batch, SGLang's own default: larger batches decode plainly, as without speculation)
             server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
         server_args.enable_mixed_chunk = False
         server_args.speculative_num_draft_tokens = config.max_width

@@ -70,6 +70,10 @@ ADAPTIVE_CONFIG_KEYS = {
     "recycle_branching": "the recycled tree's breadth-first template, children per level (default [4, 1, 1, 1])",
     "recycle_min_match": "the shortest n-gram match whose draft is kept (default 1)",
     "recycle_widen": "true (default): requests that keep an n-gram draft get recycling's other first tokens after it",
+    "draft_max_batch": "the largest decode batch (requests) that may draft: larger batches decode plainly, and verify "
+                       "CUDA graphs (all widths but the largest, which SGLang captures itself) are captured only up "
+                       "to it. Set, the running-request cap is SGLang's own default, as for plain decoding, unless "
+                       "--max-running-requests is given; unset (default), the cap is 48 and every batch may draft",
     "width_cycle": "diagnostic: verify at these widths in turn, one step each, drafting what fits (a sweep of "
                    "the step cost by width: the NGRAMSPEC_PROFILE durations); replaces the controller",
 }
@@ -99,6 +103,7 @@ class AdaptiveConfig:
     recycle_min_match: int = 1
     recycle_widen: bool = True
     width_cycle: tuple[int, ...] | None = None
+    draft_max_batch: int | None = None
     plain_forwards_auto: bool = field(default=False, init=False)
 
     def __post_init__(self):
@@ -153,6 +158,8 @@ class AdaptiveConfig:
                              f"got {self.plain_forwards!r}")
         if not _is_int(self.plain_forwards_max_batch) or self.plain_forwards_max_batch < 1:
             raise ValueError(f"plain_forwards_max_batch must be an int >= 1, got {self.plain_forwards_max_batch!r}")
+        if self.draft_max_batch is not None and (not _is_int(self.draft_max_batch) or self.draft_max_batch < 1):
+            raise ValueError(f"draft_max_batch must be an int >= 1, got {self.draft_max_batch!r}")
         if self.width_cycle is not None:
             cycle = tuple(self.width_cycle) if isinstance(self.width_cycle, (list, tuple)) else ()
             if not cycle or any(not _is_int(w) or w not in widths for w in cycle):
@@ -243,4 +250,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         recycle_min_match=data.get("recycle_min_match", AdaptiveConfig.recycle_min_match),
         recycle_widen=data.get("recycle_widen", AdaptiveConfig.recycle_widen),
         width_cycle=data.get("width_cycle"),
+        draft_max_batch=data.get("draft_max_batch"),
     )

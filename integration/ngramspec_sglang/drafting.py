@@ -20,7 +20,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Sequence
 import numpy as np
 
 from ngramspec.cache import DraftBatch, NgramCache
-from ngramspec.controller import AdaptiveController, FixedWidthController
+from ngramspec.controller import AdaptiveController, FixedWidthController, Plan
 from ngramspec.layout import accepted_path, layout_flat
 from ngramspec.recycle import RECYCLED, RecycleTable, bfs_template, with_recycled
 
@@ -106,8 +106,11 @@ def make_controller(config: AdaptiveConfig):
         return FixedWidthController(config.fixed_width)
     from ngramspec.controller import AdaptiveController
 
+    options = dict(config.controller)
+    if config.draft_max_batch is not None:
+        options.setdefault("max_draft_batch", config.draft_max_batch)
     try:
-        return AdaptiveController(config.widths, **dict(config.controller))
+        return AdaptiveController(config.widths, **options)
     except TypeError as e:
         raise ValueError(f"bad \"controller\" options in --speculative-adaptive-config: {e}") from None
 
@@ -298,6 +301,9 @@ class DraftPlanner:
                 decision = ctl.plan(rids, batch, waiting=waiting, switch_cost=switch)
             else:
                 decision = ctl.plan(rids, batch, waiting=waiting)
+        if (self.config.draft_max_batch is not None and len(rids) > self.config.draft_max_batch
+                and decision.width > 1):  # a fixed width or a sweep (the adaptive controller never drafts there)
+            decision = Plan(1, np.zeros(len(rids), np.int64), float(len(rids)), float(decision.cost), "no-draft")
         width = int(decision.width)
         limit = getattr(ctl, "max_step_tokens", None)
         self.fitted = (fit_width is not None and fit_width != width and fits_prepared(width, fit_width)

@@ -156,7 +156,9 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
     def _maybe_preplan(self, batch: ScheduleBatch, width: int | None):
         """The verify at ``width`` prepared before the wait (`_preplan_verify`; the callers check `preplan`), or
         None."""
-        if self._preplan_failed or _is_cpu or width is None or width <= 1:
+        limit = self.config.draft_max_batch
+        if self._preplan_failed or _is_cpu or width is None or width <= 1 or (
+                limit is not None and len(batch.reqs) > limit):  # too large a batch to draft: no verify to prepare
             return None
         try:
             pre = self._preplan_verify(batch, width)  # the batch as it was if it raises

@@ -7,6 +7,7 @@ than inside the first request; and `_activate`, which swaps a width's state in b
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -18,10 +19,11 @@ from sglang.kernels.ops.speculative.cache_locs import (
 from sglang.kernels.ops.speculative.reconstruct_tree import reconstruct_indices_from_tree_mask_func
 from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.runtime_context import get_spec
+from sglang.srt.runtime_context import get_exec, get_spec
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.utils import is_cpu
 
+from .graph_sizes import capped_capture_sizes
 from .relay import full_verify_mask
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,8 @@ class WorkerStartup:
         graphs_enabled = not check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)
         for width in self.config.widths[:-1]:
             steps = max(1, width // max(1, self.topk))  # as resolved for the largest width
-            with get_spec().override(speculative_num_draft_tokens=width, speculative_num_steps=steps):
+            with get_spec().override(speculative_num_draft_tokens=width, speculative_num_steps=steps), \
+                    self._verify_capture_sizes(width):
                 backend = self._new_attention_backend()
                 graph_runner = None
                 if graphs_enabled:
@@ -78,6 +81,17 @@ class WorkerStartup:
             except Exception:  # the server still runs: width 1 then verifies the root alone
                 logger.exception("NGRAM_ADAPTIVE: no plain decode state; width 1 runs as a 1-token verify")
                 self._decode_state = None
+
+    def _verify_capture_sizes(self, width: int):
+        """The batch sizes a verify graph of ``width`` is captured for: with draft_max_batch, up to it (larger batches
+        never draft; width 1 keeps them all, the fallback of plain steps), else SGLang's list."""
+        if width == 1 or self.config.draft_max_batch is None:
+            return contextlib.nullcontext()
+        try:
+            return capped_capture_sizes(get_exec().graph, self.config.draft_max_batch)
+        except Exception:  # an SGLang whose config differs: capture them all, as without the option
+            logger.exception("NGRAM_ADAPTIVE: could not cap the verify graphs' batch sizes; capturing them all")
+            return contextlib.nullcontext()
 
     def _warm_step_kernels(self) -> None:
         """Build now the kernels a decode step runs outside the captured graphs, which SGLang would otherwise

@@ -13,7 +13,9 @@ last, longest requests set the makespan; in a server each request's latency coun
 beat plain decoding by ``min_gain`` per decode-step of extra time it costs (c(B, n) / c(B, 1) - 1): a wider
 verify risks more time on a wrong estimate. With ``max_step_tokens``, a width n > 1 is considered only while
 B x n is at most that many tokens: at large batch sizes a server verifies narrow or not at all, whatever its cost
-estimates say (they are least sure there: an unmeasured batch size borrows a measured one's costs).
+estimates say (they are least sure there: an unmeasured batch size borrows a measured one's costs). With
+``max_draft_batch``, a batch of more requests than that decodes plainly (a server that has verify graphs only up to
+that batch size).
 
 **P (acceptance)**. The cache gives each node a path probability from counts; the controller turns each node's
 conditional (its probability over its parent's) into a calibrated conditional acceptance, learned online from
@@ -144,7 +146,8 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
                  prior_strength: float = 10.0, prior_scale: Sequence[float] = (0.2, 0.35, 0.5, 0.6),
                  request_alpha: float = 0.25, min_gain: float = 0.1, cost_clip: float | None = 2.0,
                  stale_after: int | None = 500, trace_len: int = 1000, predictor: str = "beta",
-                 drain: str = "gmean", request_prior: float | None = 4.0, max_step_tokens: int | None = None):
+                 drain: str = "gmean", request_prior: float | None = 4.0, max_step_tokens: int | None = None,
+                 max_draft_batch: int | None = None):
         if predictor not in ("beta", "logistic"):
             raise ValueError(f"predictor must be 'beta' or 'logistic', got {predictor!r}")
         if drain not in _DRAIN:
@@ -173,10 +176,12 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
             raise ValueError(f"request_prior must be a positive number of nodes or None, got {request_prior!r}")
         self.request_prior = None if request_prior is None else float(request_prior)
         self.min_gain = float(min_gain)
-        if max_step_tokens is not None and (isinstance(max_step_tokens, bool) or not isinstance(
-                max_step_tokens, (int, np.integer)) or max_step_tokens < 1):
-            raise ValueError(f"max_step_tokens must be an int >= 1 or None, got {max_step_tokens!r}")
+        for name, value in (("max_step_tokens", max_step_tokens), ("max_draft_batch", max_draft_batch)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+                                      or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         self.max_step_tokens = None if max_step_tokens is None else int(max_step_tokens)
+        self.max_draft_batch = None if max_draft_batch is None else int(max_draft_batch)
         # the acceptance counts (public: inspect, copy, load) and the logistic correction's weights if any
         self.calibration = Calibration.empty(logistic=predictor == "logistic")
         q_mid = np.array([0.05, 0.175, 0.375, 0.625, 0.875, 1.0])
@@ -194,7 +199,7 @@ class AdaptiveController(Observing, Estimating, Choosing, Stepping, Persisting):
         W = len(widths)
         self._sc = Scratch(np.zeros(64, np.int64), np.zeros(64), np.zeros((8, W)), np.zeros(W), np.zeros(W),
                            np.zeros(64, np.int64), np.zeros(65, np.int64), np.zeros(6, np.int64),
-                           np.array([self.max_step_tokens or 0], np.int64))
+                           np.array([self.max_step_tokens or 0, self.max_draft_batch or 0], np.int64))
         # `step` calls its kernels through their compiled entry points (see ngramspec._cache_api.Direct): every
         # argument there has one fixed numba type (the cache's state and output buffers, this controller's own
         # arrays, token and slot arrays of one dtype and layout)

@@ -44,7 +44,9 @@ def _choose(offsets, widths, row, draining, min_gain, may_explore, may_remeasure
     best = -1
     best_score = -np.inf
     plain = costs[0]
-    limit = sc.limit[0]
+    limit, batch_limit = sc.limit[0], sc.limit[1]
+    if batch_limit > 0 and B > batch_limit:
+        any_draft = False  # a batch this large decodes plainly
     for w in range(W):
         values[w] = -np.inf
         if widths[w] > 1 and (not any_draft or (limit > 0 and widths[w] * B > limit)):

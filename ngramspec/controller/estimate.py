@@ -32,7 +32,8 @@ class Scratch(NamedTuple):
     depth: np.ndarray  # [nodes] int64: `node_cells`' scratch (each node's depth)
     kids: np.ndarray  # [nodes + 1] int64: `node_cells`' scratch (children per parent)
     cols: np.ndarray  # [6] int64: the logistic correction's scratch
-    limit: np.ndarray  # [1] int64: the most tokens one step may verify, batch size x width (0: no limit)
+    limit: np.ndarray  # [2] int64: the most tokens one step may verify (batch size x width), the largest batch
+    #                    that may draft at all (0: no limit)
 
 
 REQUEST_Z = 2.326  # a request's drafts fall short when even this upper quantile (one-sided 99%) of the ratio is < 1

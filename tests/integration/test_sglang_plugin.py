@@ -137,6 +137,33 @@ def test_command_line_knobs_reach_our_config(plugin, model_dir, tmp_path):
     assert plugin.resolve_max_speculative_num_draft_tokens(args) == 8
 
 
+@pytest.mark.sglang_server
+def test_draft_max_batch_leaves_the_request_cap_to_sglang(plugin, model_dir, tmp_path):
+    """With `draft_max_batch` the running-request cap is SGLang's own default (as for plain decoding), not 48;
+    an explicit --max-running-requests still wins."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    from ngramspec_sglang.config import resolve_config
+
+    cfg_file = tmp_path / "adaptive.json"
+    cfg_file.write_text(json.dumps({"draft_max_batch": 32}))
+    view = resolved_view(resolve(plugin, model_dir, "--speculative-adaptive-config", str(cfg_file)))
+    assert view.max_running_requests != 48 and resolve_config(view).draft_max_batch == 32
+    plain = resolved_view(resolve_plain(model_dir))
+    assert view.max_running_requests == plain.max_running_requests
+    view = resolved_view(resolve(plugin, model_dir, "--speculative-adaptive-config", str(cfg_file),
+                                 "--max-running-requests", "64"))
+    assert view.max_running_requests == 64
+
+
+def resolve_plain(model_dir):
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(["--model-path", str(model_dir), "--device", "cpu"])
+    args.resolve_once()
+    return args
+
+
 @pytest.fixture(scope="module")
 def published(plugin, model_dir):
     """Publish a resolved config in this process, as the scheduler does before building workers."""

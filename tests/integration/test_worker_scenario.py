@@ -34,7 +34,12 @@ CONFIGS.update({"recycle": {"widths": [1, 2, 4, 8, 16], "recycle": True},
                 "recycle_fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True,
                                             "recycle": True, "recycle_min_match": 3}})
 RECYCLE = ("recycle", "recycle_fixed16_preplan")
-ABORT_AT = {"abort_preplan": 9, "abort_fixed16_preplan": 5}  # the step at which the second request leaves
+# draft_max_batch 2 with three requests: plain steps while all three run, drafting once one has left
+CONFIGS.update({"dmb2": {"widths": [1, 2, 4, 8, 16], "draft_max_batch": 2},
+                "dmb2_fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True,
+                                         "draft_max_batch": 2}})
+ABORT_AT_DMB = {"dmb2": 9, "dmb2_fixed16_preplan": 5}
+ABORT_AT = {"abort_preplan": 9, "abort_fixed16_preplan": 5, **ABORT_AT_DMB}  # the step the second request leaves
 JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6}  # the step a fourth request joins before
 
 
@@ -138,3 +143,11 @@ def test_at_a_fixed_width_every_verify_is_prepared(results):
     r, off = results["fixed16_preplan"], results["fixed16"]
     assert r["prepared_verifies"] == r["verifies"] == off["verifies"]
     assert off["prepared_verifies"] == 0 and off["loads"] == 0
+
+
+@pytest.mark.parametrize("name", ["dmb2", "dmb2_fixed16_preplan"])
+def test_no_batch_above_draft_max_batch_verifies(results, name):
+    """With `draft_max_batch` 2, the three requests' steps are plain until one leaves; then the two left draft."""
+    r = results[name]
+    assert r["outputs_equal_truth"] and r["verifies"] > 0 and max(r["verify_sizes"]) <= 2
+    assert max(results["abort_fixed16_preplan"]["verify_sizes"]) == 3  # the same run without the limit

@@ -116,6 +116,7 @@ class Scripted:
         self.worker = None
         self.loads = 0
         self.verify_reads = []  # per verify forward: (prepared, tokens read, positions read)
+        self.verify_sizes = []  # per verify forward: its batch size
         self.mask_checks = []
         self.host_lens_checks = []
         self.fail = None  # "load" or "replay": the graph runner's load, or a prepared replay, raises (once on)
@@ -192,6 +193,7 @@ class Scripted:
             self.host_lens_checks.append(bool(torch.equal(batch.seq_lens_cpu.to(torch.int64),
                                                           batch.seq_lens.to(torch.int64))))
         self.verify_reads.append(forward_batch is not None)
+        self.verify_sizes.append(len(source.reqs))
         bs, w = len(source.reqs), spec.draft_token_num
         rows = [self.next_token(source.reqs[j // w].rid, int(spec.positions[j])) for j in range(bs * w)]
         return SimpleNamespace(logits_output=self.logits(rows), can_run_cuda_graph=True)
@@ -422,7 +424,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             "profile_steps": sum(v["steps"] for k, v in profile.items() if not k.startswith("_")),
             "preplan_s": sum(v["preplan_s"] for k, v in profile.items() if not k.startswith("_")),
             "loads": world.loads, "prepared_verifies": sum(world.verify_reads),
-            "verifies": len(world.verify_reads), "mask_checks": world.mask_checks,
+            "verifies": len(world.verify_reads), "verify_sizes": world.verify_sizes, "mask_checks": world.mask_checks,
             "host_lens_checks": world.host_lens_checks, "logprob_steps": world.logprob_steps,
             "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
             "preplan_failed": worker._preplan_failed, "recycled_requests": worker.planner.recycled_requests,
