@@ -315,6 +315,13 @@ def test_simulator_method_takes_a_width_set():
         make_method("ngramspec-adaptive:widths=1-x")
 
 
+def test_simulator_method_takes_the_step_limits():
+    ctl = make_method("ngramspec-adaptive:max_tokens=768,draft_batch=48").ctl
+    assert (ctl.max_step_tokens, ctl.max_draft_batch) == (768, 48)
+    ctl = make_method("ngramspec-adaptive").ctl
+    assert (ctl.max_step_tokens, ctl.max_draft_batch) == (None, None)
+
+
 # ------------------------------------------------------------------------ the numba controller vs the reference
 def _lockstep(records, batch, profile, steps, waiting_of=lambda n_left: n_left, **kw):
     """Replay ``records`` with the pure-Python reference controller and the numba one side by side (each with its

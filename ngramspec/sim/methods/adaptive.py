@@ -21,8 +21,8 @@ class AdaptiveMethod(Method):
     runs: learn on one trace, start warm on another); ``{profile}`` in either path is replaced by the cost
     profile's name (a state holds measured costs, so it belongs to one profile). ``min_gain``, ``strength``
     (prior_strength), ``alpha`` (request_alpha), ``predictor`` (beta | logistic), ``drain`` (gmean | min) and
-    ``request_prior`` (0: no check of a request's own drafts) and ``max_tokens`` (max_step_tokens, 0: no limit) are
-    the controller's knobs."""
+    ``request_prior`` (0: no check of a request's own drafts), ``max_tokens`` (max_step_tokens, 0: no limit) and
+    ``draft_batch`` (max_draft_batch, 0: no limit) are the controller's knobs."""
 
     profile_dependent = True  # its decisions depend on the durations it observes
 
@@ -30,7 +30,8 @@ class AdaptiveMethod(Method):
                  explore_frac: float = 0.002, widths: str | None = None, clip: float = 2.0,
                  stale: int = 500, state_in: str | None = None, state_out: str | None = None,
                  min_gain: float = 0.1, strength: float = 10.0, alpha: float = 0.25, predictor: str = "beta",
-                 drain: str = "gmean", request_prior: float = 4.0, max_tokens: int = 0):
+                 drain: str = "gmean", request_prior: float = 4.0, max_tokens: int = 0,
+                 draft_batch: int = 0):
         if widths is not None:  # e.g. widths=1-2-4-8-17
             try:
                 widths = [int(w) for w in str(widths).split("-")]
@@ -51,7 +52,8 @@ class AdaptiveMethod(Method):
                                       min_gain=float(min_gain), prior_strength=float(strength),
                                       request_alpha=float(alpha), predictor=str(predictor), drain=str(drain),
                                       request_prior=float(request_prior) if float(request_prior) > 0 else None,
-                                      max_step_tokens=int(max_tokens) if int(max_tokens) > 0 else None)
+                                      max_step_tokens=int(max_tokens) if int(max_tokens) > 0 else None,
+                                      max_draft_batch=int(draft_batch) if int(draft_batch) > 0 else None)
         self.cache = NgramCache(max_depth=depth)
         self.tree = bool(tree)
         self._width = 1
