@@ -118,9 +118,12 @@ class WorkerStartup:
             # the front fill of accepted tokens' KV moves runs the cache-location kernel over the verify window
             # (bs x width), specialised on the width: every width of the config, every batch size's power of two
             windows = sorted(set(self.config.widths) | {1, w_max})
+            # with draft_max_batch, larger batches only decode: one token per request
+            verify_bs = self.max_batch_size if self.config.draft_max_batch is None else min(
+                self.max_batch_size, self.config.draft_max_batch)
             for bs in (s for s in sizes if s < 2 * max(1, self.max_batch_size)):
                 zeros = torch.zeros(bs, **long)
-                for w in windows:
+                for w in (windows if bs < 2 * max(1, verify_bs) else (1,)):
                     locs = assign_extend_cache_locs_func(
                         req_pool_indices=zeros, req_to_token=req_to_token, start_offset=zeros,
                         end_offset=zeros + w, batch_size=bs, draft_token_num=w, device=dev)
@@ -133,7 +136,8 @@ class WorkerStartup:
                     assign_extend_cache_locs_func(
                         req_pool_indices=indices, req_to_token=req_to_token, start_offset=starts,
                         end_offset=zeros + 1, batch_size=bs, draft_token_num=1, device=dev)
-            for size in sizes:  # accepted-token moves are specialised on the window's power of two
+            for size in (s for s in sizes if s < 2 * max(1, verify_bs) * w_max):  # accepted-token moves: specialised
+                # on the window's power of two
                 fill_accept_out_cache_loc_func(torch.full((size,), -1, dtype=torch.int32, device=dev),
                                                torch.zeros(size, **long), torch.zeros(size, **long), size)
             # KV moves of accepted tokens: specialised on the count's power of two and, as every integer
