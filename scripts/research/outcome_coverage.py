@@ -26,21 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from ngramspec import NgramCache  # noqa: E402
+from ngramspec.layout import accepted_path  # noqa: E402
 from ngramspec.sim.traces import load_trace  # noqa: E402
 
 MS = (1, 2, 4, 8)
-
-
-def accepted_path(tokens, parents, truth):
-    """The longest path from the root through the draft (tokens, parents) that ``truth`` follows: node indices."""
-    path, cur = [], -1
-    for t in truth:
-        nxt = next((j for j in range(len(tokens)) if parents[j] == cur and tokens[j] == t), -1)
-        if nxt < 0:
-            break
-        path.append(nxt)
-        cur = nxt
-    return path
 
 
 def replay(trace, budget: int, tree: bool) -> dict:
