@@ -66,7 +66,7 @@ def _update(succ, tokens, topk):
 def _draft(succ, root, tpl_parents, tpl_ranks, max_nodes, out_tokens, out_parents):
     """Expand the template from ``root``; a node whose candidate is missing (-1) is left out with its subtree.
     Returns the number of nodes written (at most ``max_nodes``)."""
-    slot = np.full(tpl_parents.shape[0], -1, np.int64)
+    slot = np.empty(tpl_parents.shape[0], np.int64)  # `_expand` clears it
     return _expand(succ, root, tpl_parents, tpl_ranks, max_nodes, out_tokens, out_parents, slot)
 
 
