@@ -9,14 +9,14 @@ comment, annotate, rename or repeat), half free text (a poem, story, facts or ex
 two equal, with the model's chat template; up to --max-new-tokens each, stopping at EOS (`--disable-ignore-eos`:
 what a user's request does). Every server gets the engine bench's settings (`COMMON`: memory fraction 0.5, no
 prefill CUDA graphs, Triton attention, PyTorch sampling), then --server-args. `adaptive_mr256` is NGRAM_ADAPTIVE
-with plain decoding's running-request cap (SGLang caps speculative servers at 48), `adaptive_mr256_tb` the same
-with no verify above 768 tokens (the controller's `max_step_tokens`), `adaptive_dmb48` SGLang's own cap with drafting
-only at batches of up to 48 (`draft_max_batch`). Reported per configuration and
-rate: output tokens/s, TTFT and inter-token latency (bench_serving's ITL: the gap between two streamed chunks; a
-chunk of several tokens is one gap) median and p99, TPOT median, accept length, and each against plain decoding of
-the same run; and per rate, from the profiles (NGRAMSPEC_SCHED_PROFILE, NGRAMSPEC_PROFILE, set for every server):
-SGLang's decode step period and for NGRAM_ADAPTIVE its mean batch, verify width, host time, measured step costs and
-cost estimates.
+with every batch drafting under plain decoding's running-request cap, `adaptive_mr256_tb` the same with no verify
+above 768 tokens (the controller's `max_step_tokens`), `adaptive_cap48` every batch drafting under SGLang's cap for
+speculative servers (48; the default before `draft_max_batch`), `adaptive_dmb48` the default spelled out. Reported
+per configuration and rate: output tokens/s, TTFT and inter-token latency (bench_serving's ITL: the gap between two
+streamed chunks; a chunk of several tokens is one gap) median and p99, TPOT median, accept length, and each against
+plain decoding of the same run; and per rate, from the profiles (NGRAMSPEC_SCHED_PROFILE, NGRAMSPEC_PROFILE, set for
+every server): SGLang's decode step period and for NGRAM_ADAPTIVE its mean batch, verify width, host time, measured
+step costs and cost estimates.
 
 One GPU call (H100/H200, the SGLang 0.5.23 kit copied to .gpukit and carried, a float16 model at $MODEL_DIR, e.g.
 the 8B-cost padded SmolLM2; per configuration about 80 s of start-up and 30-60 s of load):
@@ -44,16 +44,18 @@ ROOT = os.path.dirname(SCRIPTS)
 CONFIGS = {
     "plain": [],
     "ngram": ["--speculative-algorithm", "NGRAM"],
+    # the defaults: drafting only in batches of up to 48 requests, under plain decoding's running-request cap
     "adaptive": ["--speculative-algorithm", "NGRAM_ADAPTIVE"],
-    # SGLang caps a speculative server at 48 running requests (NGRAM and NGRAM_ADAPTIVE alike); plain decoding's
-    # cap on an 80-141 GB GPU is 256 (its largest decode CUDA graph)
-    "adaptive_mr256": ["--speculative-algorithm", "NGRAM_ADAPTIVE", "--max-running-requests", "256"],
+    "adaptive_dmb48": ["--speculative-algorithm", "NGRAM_ADAPTIVE", {"draft_max_batch": 48}],
+    # every batch may draft; SGLang's cap for speculative servers, 48 running requests (NGRAM's too)
+    "adaptive_cap48": ["--speculative-algorithm", "NGRAM_ADAPTIVE", {"draft_max_batch": None}],
+    # every batch may draft, under plain decoding's cap on an 80-141 GB GPU (256, its largest decode CUDA graph)
+    "adaptive_mr256": ["--speculative-algorithm", "NGRAM_ADAPTIVE", "--max-running-requests", "256",
+                       {"draft_max_batch": None}],
     # the same, no verify above 768 tokens (batch x width: what the 48-request cap allowed at width 16), so at large
     # batches it verifies narrow or not at all whatever its cost estimates say (a dict: the adaptive config file)
     "adaptive_mr256_tb": ["--speculative-algorithm", "NGRAM_ADAPTIVE", "--max-running-requests", "256",
-                          {"controller": {"max_step_tokens": 768}}],
-    # SGLang's own running-request cap (plain decoding's); batches above 48 decode plainly and have no verify graphs
-    "adaptive_dmb48": ["--speculative-algorithm", "NGRAM_ADAPTIVE", {"draft_max_batch": 48}],
+                          {"draft_max_batch": None, "controller": {"max_step_tokens": 768}}],
 }
 
 

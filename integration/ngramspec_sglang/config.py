@@ -19,7 +19,8 @@ from typing import Any, Mapping
 
 ALGORITHM_NAME = "NGRAM_ADAPTIVE"
 DEFAULT_MAX_WIDTH = 16
-DEFAULT_MAX_RUNNING_REQUESTS = 48  # SGLang's NGRAM default, kept for a like-for-like comparison
+DEFAULT_MAX_RUNNING_REQUESTS = 48  # SGLang's NGRAM default: the cap when every batch may draft
+DEFAULT_DRAFT_MAX_BATCH = 48  # larger decode batches run plainly, under plain decoding's running-request cap
 DEFAULT_TP_SYNC_INTERVAL = 8
 DEFAULT_STATE_SAVE_MINUTES = 10.0
 DEFAULT_PLAIN_FORWARDS = 4
@@ -72,8 +73,8 @@ ADAPTIVE_CONFIG_KEYS = {
     "recycle_widen": "true (default): requests that keep an n-gram draft get recycling's other first tokens after it",
     "draft_max_batch": "the largest decode batch (requests) that may draft: larger batches decode plainly, and verify "
                        "CUDA graphs (all widths but the largest, which SGLang captures itself) are captured only up "
-                       "to it. Set, the running-request cap is SGLang's own default, as for plain decoding, unless "
-                       "--max-running-requests is given; unset (default), the cap is 48 and every batch may draft",
+                       "to it; the running-request cap is SGLang's own default, as for plain decoding, unless "
+                       "--max-running-requests is given. Default 48; null: every batch may draft, and the cap is 48",
     "width_cycle": "diagnostic: verify at these widths in turn, one step each, drafting what fits (a sweep of "
                    "the step cost by width: the NGRAMSPEC_PROFILE durations); replaces the controller",
 }
@@ -103,7 +104,7 @@ class AdaptiveConfig:
     recycle_min_match: int = 1
     recycle_widen: bool = True
     width_cycle: tuple[int, ...] | None = None
-    draft_max_batch: int | None = None
+    draft_max_batch: int | None = DEFAULT_DRAFT_MAX_BATCH
     plain_forwards_auto: bool = field(default=False, init=False)
 
     def __post_init__(self):
@@ -250,5 +251,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         recycle_min_match=data.get("recycle_min_match", AdaptiveConfig.recycle_min_match),
         recycle_widen=data.get("recycle_widen", AdaptiveConfig.recycle_widen),
         width_cycle=data.get("width_cycle"),
-        draft_max_batch=data.get("draft_max_batch"),
+        draft_max_batch=data.get("draft_max_batch", DEFAULT_DRAFT_MAX_BATCH),
     )

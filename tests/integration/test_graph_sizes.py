@@ -46,7 +46,8 @@ def test_no_batch_above_draft_max_batch_drafts():
     with pytest.raises(ValueError, match="draft_max_batch"):
         AdaptiveConfig(widths=(1, 2, 4), draft_max_batch=0)
     assert make_controller(AdaptiveConfig(widths=(1, 2, 4), draft_max_batch=3)).max_draft_batch == 3
-    assert make_controller(AdaptiveConfig(widths=(1, 2, 4))).max_draft_batch is None
+    assert make_controller(AdaptiveConfig(widths=(1, 2, 4))).max_draft_batch == 48  # the default
+    assert make_controller(AdaptiveConfig(widths=(1, 2, 4), draft_max_batch=None)).max_draft_batch is None
     text = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3] * 3
     for limit, batch, drafts in ((2, 3, False), (3, 3, True), (None, 3, True)):
         p = DraftPlanner(AdaptiveConfig(widths=(1, 2, 4, 8), fixed_width=8, capacity=1 << 16,

@@ -110,7 +110,8 @@ def test_command_line_resolves_our_defaults(plugin, model_dir):
     view = resolved_view(resolve(plugin, model_dir))
     assert view.speculative_algorithm == ALGO
     assert view.speculative_num_draft_tokens == 16  # our default largest width
-    assert view.max_running_requests == 48
+    # drafting only at batches of up to 48 (draft_max_batch): plain decoding's running-request cap
+    assert view.max_running_requests == resolved_view(resolve_plain(model_dir)).max_running_requests != 48
     assert view.speculative_eagle_topk == 10  # tree breadth bound, as NGRAM (--speculative-ngram-max-bfs-breadth)
     assert view.speculative_num_steps == 1  # 16 // 10: KV reserved per decode step stays at the width
     assert view.enable_mixed_chunk is False
@@ -154,6 +155,20 @@ def test_draft_max_batch_leaves_the_request_cap_to_sglang(plugin, model_dir, tmp
     view = resolved_view(resolve(plugin, model_dir, "--speculative-adaptive-config", str(cfg_file),
                                  "--max-running-requests", "64"))
     assert view.max_running_requests == 64
+
+
+@pytest.mark.sglang_server
+def test_draft_max_batch_null_lets_every_batch_draft_under_a_cap_of_48(plugin, model_dir, tmp_path):
+    """The default is 48; `null` turns the limit off, and then the running-request cap is 48 (as NGRAM's)."""
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    from ngramspec_sglang.config import resolve_config
+
+    assert resolve_config(resolved_view(resolve(plugin, model_dir))).draft_max_batch == 48
+    cfg_file = tmp_path / "adaptive.json"
+    cfg_file.write_text(json.dumps({"draft_max_batch": None}))
+    view = resolved_view(resolve(plugin, model_dir, "--speculative-adaptive-config", str(cfg_file)))
+    assert view.max_running_requests == 48 and resolve_config(view).draft_max_batch is None
 
 
 def resolve_plain(model_dir):
