@@ -7,11 +7,11 @@ both soaks and scripts/sglang_sampling_check.py side by side on one GPU, ~8 minu
 free memory it measures around loading the weights. A 10-minute soak does not fit a 10-minute call with its
 start-ups, restart and checks; --minutes 4 does):
     source .gpukit/device/env.sh && W=/tmp/harness && mkdir -p $W && S=scripts/sglang_soak.py && \
-    { timeout 560 python3 $S --model $MODEL_DIR --algorithm NGRAM_ADAPTIVE --minutes 4 --port 30100 \
+    { timeout -k 15 540 python3 $S --model $MODEL_DIR --algorithm NGRAM_ADAPTIVE --minutes 4 --port 30100 \
         --max-total-tokens 400000 --out $W/soak_adaptive > $W/soak_adaptive.txt 2>&1 & \
-      timeout 560 python3 $S --model $MODEL_DIR --algorithm plain --minutes 4 --port 30200 \
+      timeout -k 15 540 python3 $S --model $MODEL_DIR --algorithm plain --minutes 4 --port 30200 \
         --max-total-tokens 400000 --out $W/soak_plain > $W/soak_plain.txt 2>&1 & \
-      timeout 500 python3 scripts/sglang_sampling_check.py --model $MODEL_DIR --out $W/sampling.json \
+      timeout -k 15 500 python3 scripts/sglang_sampling_check.py --model $MODEL_DIR --out $W/sampling.json \
         --max-total-tokens 400000 --budget 480 --logs $W/sampling_logs > $W/sampling.txt 2>&1 ; wait ; } ; \
     python3 $S --compare $W/soak_adaptive/soak.json $W/soak_plain/soak.json > $W/compare.txt 2>&1 ; \
     cp $W/sampling.json $OUT/ ; cp $W/soak_adaptive/soak.json $OUT/soak_adaptive.json ; \
@@ -217,7 +217,12 @@ class RequestMix:
     DISCONNECT = 0.35  # share of the mix's streamed requests that disconnect mid-stream
     MAX_NEW = 256
 
-    def __init__(self, seed: int = 0, prefix: str = "soak"):
+    def __init__(self, seed: int = 0, prefix: str = "soak", kinds=None):
+        """``kinds``: send only these kinds (their relative weights kept); None: all of WEIGHTS."""
+        unknown = sorted(set(kinds or ()) - set(self.WEIGHTS))
+        if unknown or (kinds is not None and not kinds):
+            raise ValueError(f"unknown or no request kinds {unknown or kinds!r}; known: {sorted(self.WEIGHTS)}")
+        self.weights = {k: w for k, w in self.WEIGHTS.items() if kinds is None or k in kinds}
         self.rng = random.Random(seed)
         self.count = 0
         self.prefix = prefix
@@ -227,7 +232,7 @@ class RequestMix:
         with self._lock:
             self.count += 1
             rng, i = self.rng, self.count
-            kind = rng.choices(list(self.WEIGHTS), weights=list(self.WEIGHTS.values()))[0]
+            kind = rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
             prompt = rng.choice(COPY_PROMPTS)
             max_new = rng.randint(16, self.MAX_NEW)
             sp = {"max_new_tokens": max_new, "temperature": 0.0}
@@ -692,7 +697,8 @@ class Soak:
         self.benches: list[dict] = []
         self.bench_procs: list[tuple[subprocess.Popen, dict]] = []
         self.planned_stop = False
-        self.mix = RequestMix(seed=a.seed, prefix=f"soak{os.getpid()}")
+        self.mix = RequestMix(seed=a.seed, prefix=f"soak{os.getpid()}",
+                              kinds=a.kinds.split(",") if a.kinds else None)
         self.disconnect_rate = 0.0  # extra disconnecting streams per second (a share of bench_serving's rate)
         self.streams = Counter()  # ours: sent, disconnected
         self.context_len, self.vocab = model_limits(a.model)
@@ -1402,6 +1408,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "NGRAM's default is 48)")
     p.add_argument("--server-args", default="", help="extra launch_server arguments (one string)")
     p.add_argument("--clients", type=int, default=8, help="client threads sending the request mix")
+    p.add_argument("--kinds", help="comma-separated: the clients send only these kinds of request (default: all; "
+                   f"{','.join(RequestMix.WEIGHTS)}), e.g. to find which kind a failure needs")
     p.add_argument("--disconnect-share", type=float, default=0.15,
                    help="extra mid-stream disconnects per second, as a share of bench_serving's request rate")
     p.add_argument("--bench-max-concurrency", type=int, default=256, help="bench_serving's --max-concurrency")

@@ -5,6 +5,7 @@ HTTP server on 127.0.0.1 (this file, run as `--stub-server PORT`; `--stub-bench 
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -319,10 +320,13 @@ def test_analyze_report_and_cli(sc, tmp_path, capsys):
     assert "broken_verifier" in out and "FAIL" in out and "3.5" in out
     path = tmp_path / "sampling.json"
     path.write_text(json.dumps({"results": {k: v for k, v in results.items() if k != "ngram"}}))
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sglang_sampling_check.py"), "--analyze",
-                           str(path)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "plain_B" in proc.stdout
+    gz = tmp_path / "sampling.json.gz"  # a saved run kept compressed
+    gz.write_bytes(gzip.compress(path.read_bytes()))
+    for saved in (path, gz):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sglang_sampling_check.py"), "--analyze",
+                               str(saved)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "plain_B" in proc.stdout
 
 
 class FakeEngine:
@@ -414,6 +418,20 @@ def test_sampling_check_child_with_a_fake_engine(sc, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------- the soak
+
+
+def test_request_mix_kinds_keeps_only_those_kinds(soak):
+    """--kinds: the clients send only the named kinds, in their relative weights; an unknown kind is an error."""
+    mix = soak.RequestMix(seed=5, kinds=["n", "logprob"])
+    specs = [mix.next() for _ in range(2000)]
+    assert {s["kind"] for s in specs} == {"n", "logprob"}
+    share_n = sum(s["kind"] == "n" for s in specs) / len(specs)
+    w = soak.RequestMix.WEIGHTS
+    assert abs(share_n - w["n"] / (w["n"] + w["logprob"])) < 0.04
+    for bad in (["n", "nope"], []):
+        with pytest.raises(ValueError, match="request kinds"):
+            soak.RequestMix(kinds=bad)
+    assert soak.build_parser().parse_args(["--model", "m", "--kinds", "n,logprob"]).kinds == "n,logprob"
 
 
 def test_request_mix_fractions_and_bounds(soak):
