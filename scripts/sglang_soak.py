@@ -918,9 +918,10 @@ class Soak:
             err = None
         except (OSError, http.client.HTTPException) as e:
             status, err = None, classify_exception(e)
+        row = {"call": "abort", "t": round(t0 - self.t0, 2), "status": status, "error": err,
+               "restart": err is not None and self.in_restart(t0, time.time())}  # in_restart takes the lock
         with self.lock:
-            self.calls.append({"call": "abort", "t": round(t0 - self.t0, 2), "status": status, "error": err,
-                               "restart": err is not None and self.in_restart(t0, time.time())})
+            self.calls.append(row)
 
     def client_loop(self, end: float) -> None:
         while not self.stop_clients.is_set() and time.time() < end:
@@ -972,9 +973,10 @@ class Soak:
                 err = None
             except (OSError, http.client.HTTPException) as e:
                 status, body, err = None, "", classify_exception(e)
+            row = {"call": "flush", "t": round(t0 - self.t0, 2), "status": status, "error": err, "body": body[:120],
+                   "restart": err is not None and self.in_restart(t0, time.time())}  # in_restart takes the lock
             with self.lock:
-                self.calls.append({"call": "flush", "t": round(t0 - self.t0, 2), "status": status, "error": err,
-                                   "body": body[:120], "restart": err is not None and self.in_restart(t0, time.time())})
+                self.calls.append(row)
 
     def sampler_loop(self, end: float) -> None:
         while not self.stop_sampler.is_set() and time.time() < end:

@@ -660,6 +660,37 @@ def test_default_commands(soak, tmp_path):
         assert "--mem-fraction-static" not in c and "--max-total-tokens" not in c
 
 
+def test_a_failed_abort_or_flush_is_recorded_without_deadlock(soak, tmp_path):
+    """An /abort_request or /flush_cache that fails (the server is down) is recorded, with whether a restart window
+    covers it, and leaves the lock free; a failed call once held the soak's lock forever (every thread stuck)."""
+    with socket.socket() as sock:  # a port that nothing answers
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    a = soak.build_parser().parse_args(["--model", "/m", "--out", str(tmp_path), "--port", str(port),
+                                        "--flush-every", "0.01"])
+    s = soak.Soak(a)
+    s.restart_windows.append([time.time() - 5, time.time() + 60])
+    s.gate.set()
+    done = threading.Event()
+
+    def calls():
+        s.abort("soak-1")
+        s.stop_clients.clear()
+        t = threading.Thread(target=s.flusher_loop, args=(time.time() + 0.5,), daemon=True)
+        t.start()
+        time.sleep(0.3)
+        s.stop_clients.set()
+        t.join(5)
+        done.set()
+
+    threading.Thread(target=calls, daemon=True).start()
+    assert done.wait(20), "a failed call deadlocked the soak"
+    assert s.lock.acquire(timeout=1)
+    s.lock.release()
+    kinds = {c["call"] for c in s.calls}
+    assert kinds == {"abort", "flush"} and all(c["error"] and c["restart"] for c in s.calls), s.calls
+
+
 def test_compare(soak, tmp_path, capsys):
     a, b = fake_result(), fake_result(algorithm="plain")
     for r in (a, b):
