@@ -809,13 +809,15 @@ class Soak:
         return vals
 
     def idle_metrics(self, wait: float, used_max: float | None = None) -> dict:
-        """The idle gauges once no request runs or waits (and, given `used_max`, the KV pool holds at most that many
-        tokens outside the radix cache), polled for up to `wait` s: SGLang republishes its gauges when it falls idle
-        and every 30 s."""
+        """The idle gauges once no request runs, waits or has its /generate call open (and, given `used_max`, the KV
+        pool holds at most that many tokens outside the radix cache), polled for up to `wait` s: SGLang republishes
+        its gauges when it falls idle and every 30 s."""
         t0 = time.time()
         while True:
             vals = self.idle_values()
             idle = bool(vals) and not vals.get("sglang:num_running_reqs") and not vals.get("sglang:num_queue_reqs")
+            # and no /generate call still open (a cut client's connection closes a moment after its request ends)
+            idle = idle and not vals.get("generate_requests_active")
             if idle and used_max is not None:
                 idle = (vals.get("sglang:kv_used_tokens") or 0) <= used_max
             if idle or time.time() - t0 >= wait:

@@ -691,6 +691,20 @@ def test_a_failed_abort_or_flush_is_recorded_without_deadlock(soak, tmp_path):
     assert kinds == {"abort", "flush"} and all(c["error"] and c["restart"] for c in s.calls), s.calls
 
 
+def test_idle_waits_for_open_generate_calls(soak, tmp_path, monkeypatch):
+    """The drain's idle reading waits while /generate calls are still open (what the idle check requires), up to
+    its time limit."""
+    a = soak.build_parser().parse_args(["--model", "/m", "--out", str(tmp_path)])
+    s = soak.Soak(a)
+    idle = {"sglang:num_running_reqs": 0.0, "sglang:num_queue_reqs": 0.0, "sglang:kv_used_tokens": 0.0}
+    readings = iter([{**idle, "generate_requests_active": 5.0}, {**idle, "generate_requests_active": 0.0}])
+    monkeypatch.setattr(soak.time, "sleep", lambda _: None)
+    monkeypatch.setattr(s, "idle_values", lambda: next(readings))
+    assert s.idle_metrics(wait=60, used_max=0)["generate_requests_active"] == 0.0
+    monkeypatch.setattr(s, "idle_values", lambda: {**idle, "generate_requests_active": 2.0})
+    assert s.idle_metrics(wait=0.05)["generate_requests_active"] == 2.0  # gives up at the limit
+
+
 def test_compare(soak, tmp_path, capsys):
     a, b = fake_result(), fake_result(algorithm="plain")
     for r in (a, b):
