@@ -217,7 +217,8 @@ class Planner:
         from ngramspec_sglang.drafting import DraftPlanner, RequestView
 
         self.view = RequestView
-        self.planner = DraftPlanner(AdaptiveConfig(widths=DEFAULT_WIDTHS, max_depth=16))
+        # every batch size drafts (the server's default stops at 48 requests): the planner's work at 64 too
+        self.planner = DraftPlanner(AdaptiveConfig(widths=DEFAULT_WIDTHS, max_depth=16, draft_max_batch=None))
         self.prompts, self.outs = {}, {}
 
     def start(self, rid, prompt):

@@ -45,7 +45,8 @@ def _commit(tokens, parents, truth) -> int:
 
 def run_ours(records, width: int, max_steps: int, adaptive: bool, profile=None) -> dict:
     cfg = AdaptiveConfig(widths=tuple(w for w in DEFAULT_WIDTHS if w < width) + (width,),
-                         max_depth=18, fixed_width=None if adaptive else width)
+                         max_depth=18, fixed_width=None if adaptive else width,
+                         draft_max_batch=None)  # drafting at every batch size, as NGRAM's host cost is measured
     planner = DraftPlanner(cfg)
     outs = {i: [] for i in range(len(records))}
     host, committed, steps, gpu_ms = 0.0, 0, 0, 0.0
