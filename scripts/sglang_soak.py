@@ -219,10 +219,10 @@ class RequestMix:
 
     def __init__(self, seed: int = 0, prefix: str = "soak", kinds=None):
         """``kinds``: send only these kinds (their relative weights kept); None: all of WEIGHTS."""
-        unknown = sorted(set(kinds or ()) - set(self.WEIGHTS))
-        if unknown or (kinds is not None and not kinds):
-            raise ValueError(f"unknown or no request kinds {unknown or kinds!r}; known: {sorted(self.WEIGHTS)}")
-        self.weights = {k: w for k, w in self.WEIGHTS.items() if kinds is None or k in kinds}
+        kinds = list(self.WEIGHTS) if kinds is None else list(kinds)
+        if not kinds or not set(kinds) <= set(self.WEIGHTS):
+            raise ValueError(f"request kinds must be some of {sorted(self.WEIGHTS)}, got {kinds!r}")
+        self.weights = {k: w for k, w in self.WEIGHTS.items() if k in kinds}
         self.rng = random.Random(seed)
         self.count = 0
         self.prefix = prefix
