@@ -1455,6 +1455,10 @@ def main(argv=None) -> int:
     if a.minutes <= 0:
         p.error("--minutes must be > 0")
     a.model = a.model or ""
+    if a.algorithm == "NGRAM":
+        # where flashinfer is missing (the GPU kit), SGLang's NGRAM stops at its first sampled request; the control
+        # samples through ngramspec's fallback then, as NGRAM_ADAPTIVE does (a no-op where flashinfer is installed)
+        os.environ.setdefault("NGRAMSPEC_SAMPLING_FALLBACK", "1")
     soak = Soak(a)
     atexit.register(soak.server.stop)
 

@@ -18,6 +18,11 @@ Handled here (through SGLang's `HookRegistry`, applied by `load_plugins()`):
   (`{"text": ""}`) or with an id outside the model's vocabulary gets SGLang's HTTP 400 instead of reaching the
   scheduler, whose forward would crash on it (SGLang 0.5.23 goes down on these; other algorithms keep that).
 
+- `allocation_sizing.get_req_to_token_extra_context_len`: under NGRAM_ADAPTIVE, each request's row of SGLang's
+  token-to-KV table gets room for what a decode step reserves (twice the largest width, the overlap's double
+  buffer). SGLang 0.5.23 sizes that room so only for a page size above 1; at page size 1 it leaves 4 + the largest
+  width, so a request near the context limit reserved KV past its row: the slots leaked (the idle memory check
+  then stops the server) and the table's next row could be overwritten.
 Left as they are (documented in docs/sglang.md): the LoRA allow-list in `lora_hook.py` (LoRA is
 rejected, and our validator says why first: per-width verify graphs, like `--speculative-adaptive`,
 do not rebuild LoRA cuda-graph metadata), the external-corpus endpoints in
@@ -29,11 +34,14 @@ from __future__ import annotations
 
 import os
 
+from .config import ALGORITHM_NAME
+
 DECODE_REPORT = (
     "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter.report_decode_stats"
 )
 
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+ROW_EXTRA = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
 
 _registered = False
 
@@ -76,6 +84,23 @@ def report_with_mean_width(original, reporter, *args, **kwargs):
     return result
 
 
+def row_room_for_reserve(original, *args, **kwargs):
+    """AROUND hook: a request's token-to-KV row holds what a decode step may reserve past the context length
+    (NGRAM_ADAPTIVE only; SGLang's own answer otherwise)."""
+    extra = original(*args, **kwargs)
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        algorithm = get_spec().speculative_algorithm
+    except Exception:  # no published configuration (a bare construction): SGLang's answer
+        return extra
+    if algorithm is None or str(algorithm).upper() != ALGORITHM_NAME:
+        return extra
+    from sglang.srt.mem_cache import allocation_sizing
+
+    return max(extra, allocation_sizing.get_alloc_reserve_per_decode() + allocation_sizing.get_alloc_page_size() - 1)
+
+
 def register_hooks() -> None:
     """Register the hooks once per process (SGLang applies them after all plugins ran)."""
     global _registered
@@ -85,6 +110,7 @@ def register_hooks() -> None:
 
     HookRegistry.register(DECODE_REPORT, report_with_mean_width, HookType.AROUND)
     HookRegistry.register(RUN_BATCH, record_waiting, HookType.AROUND)
+    HookRegistry.register(ROW_EXTRA, row_room_for_reserve, HookType.AROUND)
     from .request_guard import VALIDATE_ONE_REQUEST, guard_request
 
     HookRegistry.register(VALIDATE_ONE_REQUEST, guard_request, HookType.AROUND)  # a no-op unless NGRAM_ADAPTIVE

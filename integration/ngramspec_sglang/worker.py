@@ -25,6 +25,7 @@ The class and the step it runs are here; each phase a reader follows has its own
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from typing import Optional
@@ -128,6 +129,11 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._draft_log = DraftLog.from_env(self._tp_group.rank_in_group)
         set_cpu_seq_lens_need(self._backends_need_cpu_seq_lens)
         self._gauges = None
+        # NGRAMSPEC_CHECK_LENS=1: every verify compares the host's sequence lengths with the device's (a sync per
+        # step, for diagnosis only) and logs the requests and the recent forwards where they differ
+        self._check_lens = os.environ.get("NGRAMSPEC_CHECK_LENS", "") not in ("", "0")
+        self._events: deque = deque(maxlen=16)  # (kind, rids, relayed rids) of the last forwards (the check's log)
+        self._lens_reports = 0
         if get_observability().enable_metrics and self._tp_group.rank_in_group == 0:
             from .metrics import NgramspecGauges
 
@@ -259,6 +265,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         While plans keep drafting nothing, planning backs off (`PlanBackoff`): after n such plans in a row the next
         min(n, 3) steps run plain without planning (the cache catches up on their tokens at the next plan)."""
         if not batch.forward_mode.is_decode():
+            if self._check_lens:
+                self._events.append(("extend", tuple(req.rid for req in batch.reqs)))
             self._timer.interrupt()
             if self._profile is not None:
                 self._profile.interrupt()
@@ -282,7 +290,9 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         waited = 0.0
         preplan_s = 0.0  # host seconds preparing a verify before the wait (`preplan`)
         roots = None
-        if lagging and (self.config.fixed_width == 1 or self._backoff.to_skip > 0):  # no planner, no host tokens
+        limit = self.config.draft_max_batch
+        too_large = limit is not None and bs > limit  # a batch that never drafts: no plan, as plain decoding
+        if lagging and (self.config.fixed_width == 1 or self._backoff.to_skip > 0 or too_large):  # no planner
             roots = self._last_tokens(batch, rids)
             if roots is not None:
                 self._backoff.skip_planning()
@@ -290,6 +300,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
                 m0 = self._dmark()
                 forwards = plain_forwards(self.planner.forwards_limit(bs), batch)
                 result = self._forward_plain(batch, roots, on_publish, pp_proxy_tensors, rids, forwards)
+                if self._check_lens:
+                    self._events.append(("decode, unplanned", rids, 1, forwards))
                 self.planner.plain_stepped(bs, forwards)
                 self._timer.step_launched(1, bs, forwards)
                 if self._profile is not None:
@@ -352,6 +364,10 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         else:
             # the root is the last committed token, not yet in the KV cache
             seq_lens_host = [v.committed_len - 1 for v in views]
+            if not relayed:
+                self._finished_lens(batch, seq_lens_host)
+            if self._check_lens:
+                self._check_host_lens(batch, views, seq_lens_host, relayed_rids, relayed and not lagging)
             result = self._forward_verify(batch, plan, seq_lens_host, on_publish, pp_proxy_tensors, pre=pre)
             self._next_roots = None
         self._drafted_last = plan.width > 1
@@ -368,4 +384,44 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
                               verify_parts=self._verify_parts if plan.width > 1 else None)
         if self._draft_log is not None:
             self._draft_log.write(plan)
+        if self._check_lens:
+            self._events.append(("decode", rids, plan.width, forwards))
         return result
+
+    def _finished_lens(self, batch: ScheduleBatch, seq_lens_host: list) -> None:
+        """A batch that runs after the previous step's result was processed (a grammar's, or no overlap): its
+        requests' tokens are all on the host, except for a request that this result finished. SGLang built the
+        batch before processing the result, so the request is still in it, but its output ends at its last token
+        (a stop, or its length limit) while its KV holds every token the step accepted. Its length is read from the
+        device (the step before was waited for already: a short copy); the host's count would undersize the verify
+        mask and the attention's KV index for the batch."""
+        stale = [i for i, req in enumerate(batch.reqs) if req.finished()]
+        if stale:
+            device = batch.seq_lens[: len(seq_lens_host)].cpu()
+            for i in stale:
+                seq_lens_host[i] = int(device[i])
+            if self._check_lens:
+                logger.info("NGRAM_ADAPTIVE: %d finished request(s) in a batch after a processed step: lengths "
+                            "read from the device", len(stale))
+
+    def _check_host_lens(self, batch: ScheduleBatch, views, seq_lens_host: list, relayed_rids, used_relay: bool):
+        """`NGRAMSPEC_CHECK_LENS`: the host's lengths (from the tokens it counted) against the device's; where they
+        differ, an error in the log with each request's counts and the recent forwards, then the device's lengths
+        replace the host's for this step (so that the mask fits the batch)."""
+        device = batch.seq_lens[: len(views)].cpu().tolist()
+        if device == seq_lens_host:
+            return
+        self._lens_reports += 1
+        if self._lens_reports <= 20:
+            rows = [
+                f"{i}: rid={req.rid} host={h} device={d} prompt={len(v.prompt)} output={len(v.output)} "
+                f"pending={len(v.pending)} relayed={req.rid in relayed_rids if relayed_rids is not None else None} "
+                f"finished={req.finished() if hasattr(req, 'finished') else None} "
+                f"max_new={getattr(req.sampling_params, 'max_new_tokens', None)}"
+                for i, (req, v, h, d) in enumerate(zip(batch.reqs, views, seq_lens_host, device)) if h != d]
+            logger.error("NGRAM_ADAPTIVE: host lengths differ from the device's (report %d; used relay %s, grammar "
+                         "sync %s, logprob %s, bs %d):\n  %s\n  recent forwards (oldest first):\n  %s",
+                         self._lens_reports, used_relay, batch.grammar_needs_sync(), batch.return_logprob,
+                         len(views), "\n  ".join(rows),
+                         "\n  ".join(str(e) for e in self._events))
+        seq_lens_host[:] = device

@@ -308,3 +308,34 @@ def test_run_batch_hook_tells_the_worker_the_queue_length(plugin):
         pytest.skip(f"scheduler import needs a GPU build of sglang: {str(e).splitlines()[0] or e}")
     assert "record_waiting" in repr(Scheduler.run_batch) or getattr(Scheduler.run_batch, "__wrapped__", None)
 
+
+
+def test_token_rows_hold_a_decode_steps_reserve_under_ngram_adaptive(plugin, monkeypatch):
+    """SGLang 0.5.23 at page size 1 gives a request's token-to-KV row 4 + the largest width past the context
+    length, while a decode step reserves twice the largest width: near the context limit the reserve ran past the
+    row. Under NGRAM_ADAPTIVE the hook makes room for the reserve; other algorithms keep SGLang's size."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache import allocation_sizing
+
+    from ngramspec_sglang.hooks import row_room_for_reserve
+
+    monkeypatch.setattr(allocation_sizing, "get_alloc_reserve_per_decode", lambda: 32)
+    monkeypatch.setattr(allocation_sizing, "get_alloc_page_size", lambda: 1)
+    for algorithm, want in (("NGRAM_ADAPTIVE", 32), ("ngram_adaptive", 32), ("NGRAM", 20), (None, 20)):
+        monkeypatch.setattr("sglang.srt.runtime_context.get_spec",
+                            lambda a=algorithm: SimpleNamespace(speculative_algorithm=a))
+        assert row_room_for_reserve(lambda: 20) == want, algorithm
+    monkeypatch.setattr(allocation_sizing, "get_alloc_page_size", lambda: 16)
+    monkeypatch.setattr("sglang.srt.runtime_context.get_spec",
+                        lambda: SimpleNamespace(speculative_algorithm="NGRAM_ADAPTIVE"))
+    assert row_room_for_reserve(lambda: 20) == 47 and row_room_for_reserve(lambda: 60) == 60
+
+    def unpublished():
+        raise ValueError("no published configuration")
+
+    monkeypatch.setattr("sglang.srt.runtime_context.get_spec", unpublished)
+    assert row_room_for_reserve(lambda: 20) == 20
+    monkeypatch.undo()
+    wrapped = allocation_sizing.get_req_to_token_extra_context_len  # the hook is applied where SGLang reads it
+    assert "row_room_for_reserve" in repr(wrapped) or getattr(wrapped, "__wrapped__", None) is not None

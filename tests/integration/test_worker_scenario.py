@@ -40,19 +40,33 @@ CONFIGS.update({"dmb2": {"widths": [1, 2, 4, 8, 16], "draft_max_batch": 2},
                                          "draft_max_batch": 2}})
 ABORT_AT_DMB = {"dmb2": 9, "dmb2_fixed16_preplan": 5}
 ABORT_AT = {"abort_preplan": 9, "abort_fixed16_preplan": 5, **ABORT_AT_DMB}  # the step the second request leaves
+CONFIGS.update({"sync": {"widths": [1, 2, 4, 8, 16]}, "sync_fixed16": {"widths": [1, 2, 4, 8, 16],
+                                                                       "fixed_width": 16}})
+SYNC_FROM = {"sync": 0, "sync_fixed16": 20}  # from this step on, batches run synchronously (a grammar's)
 JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6}  # the step a fourth request joins before
 
 
 @pytest.fixture(scope="module")
 def results():
     runs = [[c, {"abort_at": ABORT_AT.get(name), "join_at": JOIN_AT.get(name),
-                 "logprob_every": LOGPROB_EVERY.get(name, 0),
+                 "logprob_every": LOGPROB_EVERY.get(name, 0), "sync_from": SYNC_FROM.get(name),
                  **({"fail": FAIL[name][0], "fail_at": FAIL[name][1]} if name in FAIL else {})}]
             for name, c in CONFIGS.items()]
+    return dict(zip(CONFIGS, _run(runs)))
+
+
+def _run(runs: list) -> list:
     proc = subprocess.run([sys.executable, str(SCENARIO), json.dumps(runs)], capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(zip(CONFIGS, json.loads(proc.stdout.strip().splitlines()[-1])))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_length_check_reports_host_lengths_that_lag_the_device():
+    """`NGRAMSPEC_CHECK_LENS` (on in the scenario) against a fault put in on purpose: the worker forgets which
+    requests the last forward ran, so it leaves their relayed tokens out and its lengths lag the device's."""
+    [r] = _run([[{"widths": [1, 2, 4, 8, 16], "fixed_width": 4}, {"forget_relay_at": 7}]])
+    assert r["lens_reports"] >= 1
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -86,6 +100,7 @@ def test_the_host_lengths_lent_to_a_verify_match_the_device(results, name):
     r = results[name]
     unprepared = r["verifies"] - r["prepared_verifies"]
     assert len(r["host_lens_checks"]) == unprepared and all(r["host_lens_checks"])
+    assert r["lens_reports"] == 0  # NGRAMSPEC_CHECK_LENS (on in the scenario) found every verify's lengths right
 
 
 @pytest.mark.parametrize("name", ["preplan", "preplan_chain", "fixed16_preplan", "abort_preplan",
@@ -151,3 +166,5 @@ def test_no_batch_above_draft_max_batch_verifies(results, name):
     r = results[name]
     assert r["outputs_equal_truth"] and r["verifies"] > 0 and max(r["verify_sizes"]) <= 2
     assert max(results["abort_fixed16_preplan"]["verify_sizes"]) == 3  # the same run without the limit
+    assert max(r["planned_sizes"]) <= 2  # nor does the planner run for them: they step as plain decoding does
+    assert max(results["abort_fixed16_preplan"]["planned_sizes"]) == 3

@@ -268,6 +268,7 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
     w._forward_s = 0.0
     w._verify_parts = (0.0, 0.0, 0.0)
     w._draft_log = None
+    w._check_lens, w._events, w._lens_reports = True, deque(maxlen=16), 0  # NGRAMSPEC_CHECK_LENS on
     w.grammar_tree_host = None
     w.token_to_kv_pool_allocator = None
     long = dict(dtype=torch.int64)
@@ -313,12 +314,18 @@ def patched(worker_mod, forward_mod, world):
 
 
 def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0, abort_at: int | None = None,
-        join_at: int | None = None, fail: str | None = None, fail_at: int = 0, logprob_every: int = 0):
+        join_at: int | None = None, fail: str | None = None, fail_at: int = 0, logprob_every: int = 0,
+        forget_relay_at: int | None = None, sync_from: int | None = None):
     """One run; ``abort_at``: at that step the second request leaves the batch unfinished (a client abort);
     ``join_at``: before that step one more request is prefilled and joins the running batch (continuous batching:
     the prefill's token is the only one the relay holds for the next decode step); ``fail`` ("load" or "replay")
     from step ``fail_at`` on: the graph runner's load, or a prepared verify's replay, raises; ``logprob_every``:
-    every that many steps the batch returns logprobs (a request asked for them): no plain or prepared path."""
+    every that many steps the batch returns logprobs (a request asked for them): no plain or prepared path;
+    ``forget_relay_at``: before that step the worker forgets which requests the last forward ran (a fault put in on
+    purpose: its host lengths then lag the device's, which `NGRAMSPEC_CHECK_LENS` must report); ``sync_from``: from
+    that step on the scheduler runs synchronously, as SGLang does for a batch with a grammar under speculation: it
+    builds the batch, then processes the previous step's result, then runs the step, so a request that this result
+    finished (its output cut at its last token, its KV past it) is still in the batch."""
     worker_mod, forward_mod = import_worker()
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -356,11 +363,17 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
                    torch.ones(n_requests, dtype=torch.int32))
     for r in reqs:
         r.output_ids = []
+        r.finished = (lambda r=r: len(r.output_ids) >= len(truth[r.rid]))
+    planned_sizes = []  # the batch size of every plan (a batch above draft_max_batch runs without one)
+    plan = worker.planner.plan
+    worker.planner.plan = lambda views, **kw: planned_sizes.append(len(views)) or plan(views, **kw)
     with patched(worker_mod, forward_mod, world):
         aborted, decode_steps, histories_ok = set(), 0, True
         for step in range(steps):
             if step == abort_at:
                 aborted.add(reqs[1].rid)
+            if step == forget_relay_at:
+                worker._relayed_rids = set()
             if step == fail_at:
                 world.fail = fail
             if step == join_at:  # prefill the late request, then the scheduler processes the last decode step
@@ -378,6 +391,10 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
                 joined.add(late.rid)
             live = [r for r in reqs if r.rid in joined and len(r.output_ids) < len(truth[r.rid])
                     and r.rid not in aborted]
+            sync = sync_from is not None and step >= sync_from
+            if sync and unprocessed is not None:  # the previous step's result, processed before this step runs
+                commit(*unprocessed, truth)
+                unprocessed = None
             if not live:
                 break
             idx = [reqs.index(r) for r in live]
@@ -388,7 +405,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
                 input_ids=None, out_cache_loc=None, has_grammar=False,
                 return_logprob=bool(logprob_every) and step % logprob_every == 0,
                 sampling_info=SimpleNamespace(has_watermark_candidates=False),
-                grammar_needs_sync=lambda: False)
+                grammar_needs_sync=lambda: sync)
             result = worker.forward_batch_generation(batch)
             decode_steps += 1
             for r in live:  # what the drafts grow from: the request's tokens, each once, in order (past its
@@ -427,7 +444,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             "verifies": len(world.verify_reads), "verify_sizes": world.verify_sizes, "mask_checks": world.mask_checks,
             "host_lens_checks": world.host_lens_checks, "logprob_steps": world.logprob_steps,
             "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
-            "preplan_failed": worker._preplan_failed, "recycled_requests": worker.planner.recycled_requests,
+            "preplan_failed": worker._preplan_failed, "lens_reports": worker._lens_reports,
+            "planned_sizes": sorted(set(planned_sizes)), "recycled_requests": worker.planner.recycled_requests,
             "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
                              if worker.planner.recycle_table is not None else 0),
             "stats": dict(worker.planner.stats.__dict__)}
