@@ -92,8 +92,10 @@ TRACKED = IDLE_GAUGES + ("sglang:spec_accept_length", "sglang:gen_throughput", "
 NGRAMSPEC_GAUGES = ("ngramspec:verify_width", "ngramspec:drafted_tokens", "ngramspec:predicted_accept_length",
                     "ngramspec:realized_accept_length")
 LEAK_PATTERNS = ("memory leak detected", "double free", "use-after-free")
+LENGTHS_DIFFER = "host lengths differ from the device's"  # NGRAMSPEC_CHECK_LENS=1 in the server's environment
 LOG_PATTERNS = LEAK_PATTERNS + ("Traceback (most recent call last)", "NGRAM_ADAPTIVE: controller state loaded",
-                                "NGRAM_ADAPTIVE: no controller state", "ignoring the controller state file")
+                                "NGRAM_ADAPTIVE: no controller state", "ignoring the controller state file",
+                                LENGTHS_DIFFER)
 EXPECTED_OUTCOMES = ("ok", "disconnected", "aborted", "restart")
 
 _CODE = [
@@ -1259,6 +1261,13 @@ def evaluate(res: dict, rss_limit: float = 10.0, tie_margin: float = 0.05) -> di
     unexpected += [{"what": f"server started again: {i['why']}"} for i in res.get("instances", [])
                    if i.get("why") not in (None, "start", "half-time restart")]
     checks["server_up"] = {"ok": not unexpected and bool(res.get("server_up_at_end")), "events": unexpected}
+    differ = sum(counts.get(LENGTHS_DIFFER, 0) for counts in res.get("logs", {}).values())
+    if differ or os.environ.get("NGRAMSPEC_CHECK_LENS", "") not in ("", "0"):
+        checks["lengths_agree"] = {"ok": not differ, "batches_differing": differ}
+    window, minutes = res.get("load_window"), (res.get("args") or {}).get("minutes")
+    if window and minutes:  # a slow server start eats the load window (it ends at minutes + 50 s from the start)
+        ran = window[1] - window[0]
+        checks["load_ran"] = {"ok": ran >= 0.5 * 60 * minutes, "seconds": round(ran, 1), "asked": 60 * minutes}
     fails = failures_by_kind(res)
     outcomes = Counter(r["outcome"] for r in res.get("records", []))
     checks["no_failures"] = {"ok": not fails, "failures": fails, "outcomes": dict(outcomes),

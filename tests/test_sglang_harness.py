@@ -598,6 +598,13 @@ def test_evaluate_healthy_and_each_failure(soak):
     for name, res in bad.items():
         assert soak.evaluate(res)[name]["ok"] is False, name
     assert soak.evaluate(fake_result(server_up_at_end=False))["server_up"]["ok"] is False
+    # the load window against the minutes asked: a server start that took it all fails the run
+    assert soak.evaluate(fake_result(args={"minutes": 5}))["load_ran"]["ok"] is True
+    assert "lengths_agree" not in soak.evaluate(fake_result())  # only with NGRAMSPEC_CHECK_LENS or a report
+    differ = soak.evaluate(fake_result(logs={"server_0.log": {soak.LENGTHS_DIFFER: 3}}))["lengths_agree"]
+    assert differ == {"ok": False, "batches_differing": 3}
+    starved = soak.evaluate(fake_result(args={"minutes": 2}, load_window=[171.3, 170.0]))["load_ran"]
+    assert starved["ok"] is False and starved["seconds"] == -1.3
     relaunched = fake_result()
     relaunched["instances"].append({"instance": 2, "started": 300.0, "startup_s": 15.0, "log": "server_2.log",
                                     "why": "server down during the load"})
