@@ -75,6 +75,11 @@ ADAPTIVE_CONFIG_KEYS = {
                        "CUDA graphs (all widths but the largest, which SGLang captures itself) are captured only up "
                        "to it; the running-request cap is SGLang's own default, as for plain decoding, unless "
                        "--max-running-requests is given. Default 48; null: every batch may draft, and the cap is 48",
+    "device_drafts": "experimental, default 0 (off): up to this many steps in a row right after a drafting step "
+                     "draft on the device instead of waiting for that step's tokens on the host: a chain from prompt "
+                     "lookup over the request's own tokens (kept in a device table, 4 bytes per token of every "
+                     "request slot's row), verified at the width of the last drafting step. Needs preplan's "
+                     "conditions (CUDA graphs, Triton attention); not with recycle",
     "width_cycle": "diagnostic: verify at these widths in turn, one step each, drafting what fits (a sweep of "
                    "the step cost by width: the NGRAMSPEC_PROFILE durations); replaces the controller",
 }
@@ -105,6 +110,7 @@ class AdaptiveConfig:
     recycle_widen: bool = True
     width_cycle: tuple[int, ...] | None = None
     draft_max_batch: int | None = DEFAULT_DRAFT_MAX_BATCH
+    device_drafts: int = 0
     plain_forwards_auto: bool = field(default=False, init=False)
 
     def __post_init__(self):
@@ -161,6 +167,11 @@ class AdaptiveConfig:
             raise ValueError(f"plain_forwards_max_batch must be an int >= 1, got {self.plain_forwards_max_batch!r}")
         if self.draft_max_batch is not None and (not _is_int(self.draft_max_batch) or self.draft_max_batch < 1):
             raise ValueError(f"draft_max_batch must be an int >= 1, got {self.draft_max_batch!r}")
+        if not _is_int(self.device_drafts) or self.device_drafts < 0:
+            raise ValueError(f"device_drafts must be an int >= 0, got {self.device_drafts!r}")
+        if self.device_drafts and self.recycle:
+            raise ValueError("device_drafts and recycle do not go together (device drafts are not recorded for "
+                             "recycling); drop one")
         if self.width_cycle is not None:
             cycle = tuple(self.width_cycle) if isinstance(self.width_cycle, (list, tuple)) else ()
             if not cycle or any(not _is_int(w) or w not in widths for w in cycle):
@@ -252,4 +263,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         recycle_widen=data.get("recycle_widen", AdaptiveConfig.recycle_widen),
         width_cycle=data.get("width_cycle"),
         draft_max_batch=data.get("draft_max_batch", DEFAULT_DRAFT_MAX_BATCH),
+        device_drafts=data.get("device_drafts", AdaptiveConfig.device_drafts),
     )

@@ -420,6 +420,14 @@ class DraftPlanner:
         self._wait_ms[batch_size] = extra if old is None else old + 0.2 * (extra - old)
         self._wait_any = extra if self._wait_any is None else self._wait_any + 0.2 * (extra - self._wait_any)
 
+    def forget_outcomes(self, rids) -> None:
+        """A step drafted elsewhere (on the device) ran after this planner's last plan for ``rids``: the next plan
+        sees both steps' tokens, so it counts no accepted drafts for them (the controller's calibration is not
+        affected: it matches its drafts against whatever tokens were committed)."""
+        for rid in rids:
+            self._last.pop(rid, None)
+            self._sent.pop(rid, None)
+
     def release(self, rids) -> None:
         """Requests that left the decode batch: their output joins the shared cache."""
         for rid in rids:

@@ -116,6 +116,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             record_plain=self._record_plain,
         )
         self._drafted_last = False  # the last decode step drafted: the next one waits for its tokens
+        self._history = None  # device drafts' token table (`device_drafts`; built with the step buffers)
+        self._device_streak = 0  # steps in a row drafted on the device
         self._backoff = PlanBackoff()  # plan less often while plans draft nothing
         self._next_roots: tuple | None = None  # (request ids, their last committed tokens on the device)
         self._last_width: int | None = None  # the width of the last drafting step (what `preplan` prepares)
@@ -285,6 +287,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         relayed_rids, self._relayed_rids = self._relayed_rids, current_rids
         self._timer.harvest()
         relayed = self.enable_overlap and not batch.grammar_needs_sync()  # previous tokens still on the device
+        if self._history is not None:
+            self._history_append(batch)
         plain_fits = self._decode_state is not None and self._plain_decode_fits(batch)
         lagging = relayed and plain_fits and not self._drafted_last
         waited = 0.0
@@ -309,6 +313,12 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
                     self._profile.add(1, bs, True, 0.0, t_plan - t0, time.perf_counter() - t_plan,
                                       self._forward_s, result.can_run_cuda_graph, forwards=forwards)
                 return result
+        if (self._history is not None and relayed and not lagging and plain_fits and not too_large
+                and self._device_streak < self.config.device_drafts and (self._last_width or 1) > 1):
+            result = self._forward_device_drafts(batch, rids, on_publish, pp_proxy_tensors, t0)
+            if result is not None:
+                return result
+        self._device_streak = 0
         t_pre = time.perf_counter()
         relay = batch.spec_info
         pre = None

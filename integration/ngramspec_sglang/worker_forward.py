@@ -61,6 +61,13 @@ class PrePlan:
     mask_index: torch.Tensor | None = None  # the tree cells of the mask buffer, its ones written (None: not yet)
 
 
+@dataclass
+class DevicePlan:
+    """What `_finish_verify` reads of a plan, for a step drafted on the device (`device_drafts`): its width."""
+    width: int
+    drafted: tuple = ()
+
+
 def _restore(batch: ScheduleBatch, saved: tuple) -> None:
     """The batch fields a prepared verify replaces, put back (forward mode, input ids, KV slots, spec info)."""
     batch.forward_mode, batch.input_ids, batch.out_cache_loc, batch.spec_info = saved
@@ -376,8 +383,84 @@ class WorkerForward:
         self._verify_parts = (t - t_in, t_sampled - t_fwd, time.perf_counter() - t_sampled)
         return result
 
+    def _history_append(self, batch: ScheduleBatch) -> None:
+        """`device_drafts`: the relayed tokens of the step before (every step's, whatever path ran it) into the
+        requests' rows of the device token table, at their positions (rows the relay repeats are written again
+        with the same tokens)."""
+        relay = batch.spec_info
+        tokens = getattr(relay, "accept_tokens", None)
+        lens = getattr(relay, "accept_lens", None)
+        bs = len(batch.reqs)
+        if tokens is None or lens is None or bs == 0 or lens.numel() != bs:
+            return
+        self._history.append(batch.req_pool_indices, batch.seq_lens[:bs], tokens, lens)
+
+    def _forward_device_drafts(self, batch: ScheduleBatch, rids: tuple, on_publish, pp_proxy_tensors, t0: float):
+        """`device_drafts`: a step right after a drafting step that does not wait for that step's tokens on the
+        host. The verify is prepared at the last drafting width (`_preplan_verify`); each request's root (its last
+        committed token) is read from the relay and its chain of drafts made by prompt lookup over its row of the
+        device token table; the positions and retrieve arrays come from SGLang's kernel, the mask is a chain's.
+        None (the batch as it was) where the verify cannot be prepared: the step then runs as without the option."""
+        width, bs = self._last_width, len(batch.reqs)
+        relay = batch.spec_info
+        roots = relayed_last_tokens(relay, bs)
+        if roots is None:
+            return None
+        pre = self._maybe_preplan(batch, width)
+        if pre is None:
+            return None
+        if pre.mask_index is None:
+            self._drop_preplan(batch, pre)
+            return None
+        t_in = time.perf_counter()
+        m0 = self._dmark()
+        try:
+            with get_spec().override(speculative_num_draft_tokens=width):
+                draft_tokens, positions, retrieve_index, retrieve_next_token, retrieve_next_sibling, tree_mask = (
+                    pre.buffers)
+                drafts, _ = self._history.propose(batch.req_pool_indices, batch.seq_lens[:bs], width - 1)
+                rows = draft_tokens.view(bs, width)
+                rows[:, 0].copy_(roots)
+                rows[:, 1:].copy_(drafts)
+                tree_mask.copy_(self._history.chain_mask(width).repeat(bs))
+                reconstruct_indices_from_tree_mask_func(tree_mask, batch.seq_lens, positions, retrieve_index,
+                                                        retrieve_next_token, retrieve_next_sibling, bs, width)
+                write_tree_masks(pre.mask_buffer, pre.mask_index, tree_mask)
+                set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
+                t = time.perf_counter()
+                self._fwd_marks[0] = self._dmark()
+                batch_result = self.target_worker.forward_batch_generation(
+                    None, forward_batch=pre.forward_batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True)
+                t_fwd = time.perf_counter()
+                self._fwd_marks[1] = self._dmark()
+                self._forward_s = t_fwd - t
+        except Exception:
+            # as a failing prepared verify: this step runs as without the option, and the option is off from now
+            logger.exception("NGRAM_ADAPTIVE: a step drafted on the device failed; device drafts are off from now")
+            self._history = None
+            self._drop_preplan(batch, pre)
+            return None
+        plan = DevicePlan(width)
+        result = self._finish_verify(batch, plan, pre.verify_input, batch_result, on_publish, t_in, t, t_fwd)
+        self._next_roots = None
+        self._drafted_last = True
+        self._device_streak += 1
+        self.planner.forget_outcomes(rids)  # the next plan sees two steps' tokens: no accept count from them
+        self._backoff.planned(width)
+        self._timer.step_launched(width, bs, 1)
+        if self._check_lens:
+            self._events.append(("decode, device drafts", rids, width, 1))
+        if self._profile is not None:
+            self._profile.add_device(width, bs, (m0, *self._fwd_marks, self._dmark()))
+            self._profile.add(width, bs, False, 0.0, t_in - t0, time.perf_counter() - t_in, self._forward_s,
+                              result.can_run_cuda_graph, verify_parts=self._verify_parts)
+        return result
+
     def _forward_extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors):
         bs = len(batch.reqs)
+        if self._history is not None:  # device drafts: the prompts into the requests' rows
+            self._history.write_prompts([req.req_pool_idx for req in batch.reqs],
+                                        [req.origin_input_ids_unpadded for req in batch.reqs])
         self._relayed_rids = {req.rid for req in batch.reqs}
         state = self._width_states.get(self.max_width)
         if state is not None:  # prefill runs on the start-up backend (a decode step may have swapped it)

@@ -23,6 +23,7 @@ from sglang.srt.runtime_context import get_exec, get_spec
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.utils import is_cpu
 
+from .device_drafts import DeviceHistory
 from .graph_sizes import capped_capture_sizes
 from .relay import full_verify_mask
 
@@ -45,6 +46,12 @@ class WorkerStartup:
         self.retrieve_next_sibling = torch.empty(bs * w, **long)
         self.tree_mask = torch.empty(bs * w * w, dtype=torch.bool, device=self.device)
         self._plain_ok = not _is_cpu and not hasattr(self.req_to_token_pool, "mamba_pool")
+        self._history = None
+        if self.config.device_drafts and not _is_cpu:  # device drafts: a token row per request slot
+            rows, row_len = self.req_to_token_pool.req_to_token.shape
+            self._history = DeviceHistory(rows, row_len, self.device)
+            logger.info("NGRAM_ADAPTIVE: device drafts on, up to %d step(s) in a row; token table %.1f MB",
+                        self.config.device_drafts, self._history.nbytes / 2**20)
 
     def init_cuda_graphs(self):
         """Capture one TARGET_VERIFY graph (and attention backend) per candidate width, and a DECODE graph.

@@ -39,11 +39,19 @@ CONFIGS.update({"dmb2": {"widths": [1, 2, 4, 8, 16], "draft_max_batch": 2},
                 "dmb2_fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True,
                                          "draft_max_batch": 2}})
 ABORT_AT_DMB = {"dmb2": 9, "dmb2_fixed16_preplan": 5}
-ABORT_AT = {"abort_preplan": 9, "abort_fixed16_preplan": 5, **ABORT_AT_DMB}  # the step the second request leaves
+# the step the second request leaves
+ABORT_AT = {"abort_preplan": 9, "abort_fixed16_preplan": 5, "device_abort": 9, **ABORT_AT_DMB}
 CONFIGS.update({"sync": {"widths": [1, 2, 4, 8, 16]}, "sync_fixed16": {"widths": [1, 2, 4, 8, 16],
                                                                        "fixed_width": 16}})
+CONFIGS.update({"device": {"widths": [1, 2, 4, 8, 16], "device_drafts": 1},
+                "device3": {"widths": [1, 2, 4, 8, 16], "device_drafts": 3},
+                "device_fixed16": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "device_drafts": 2},
+                "device_join": {"widths": [1, 2, 4, 8, 16], "device_drafts": 3},
+                "device_abort": {"widths": [1, 2, 4, 8, 16], "device_drafts": 3}})
+DEVICE = ("device", "device3", "device_fixed16", "device_join", "device_abort")
 SYNC_FROM = {"sync": 0, "sync_fixed16": 20}  # from this step on, batches run synchronously (a grammar's)
-JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6}  # the step a fourth request joins before
+# the step a fourth request joins before
+JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6, "device_join": 12}
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +176,16 @@ def test_no_batch_above_draft_max_batch_verifies(results, name):
     assert max(results["abort_fixed16_preplan"]["verify_sizes"]) == 3  # the same run without the limit
     assert max(r["planned_sizes"]) <= 2  # nor does the planner run for them: they step as plain decoding does
     assert max(results["abort_fixed16_preplan"]["planned_sizes"]) == 3
+
+
+@pytest.mark.parametrize("name", DEVICE)
+def test_steps_drafted_on_the_device_stay_exact_and_accept_drafts(results, name):
+    """`device_drafts`: steps right after a drafting step draft by prompt lookup on the device, without waiting
+    for the previous step's tokens; outputs stay the model's, the drafts are accepted on these copy-heavy texts,
+    and at most `device_drafts` such steps run in a row (then a step plans on the host again)."""
+    r = results[name]
+    assert r["outputs_equal_truth"] and r["lens_reports"] == 0
+    assert r["device_steps"] > 0 and r["verifies"] > r["device_steps"]
+    assert r["preplan"].get("used", 0) + r["preplan"].get("fitted", 0) + r["device_steps"] == r["prepared_verifies"]
+    assert all(r["mask_checks"])
+    assert r["steps"] < results["defaults"]["steps"] * 1.5  # drafts on the device are accepted: few extra steps

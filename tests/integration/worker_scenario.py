@@ -269,6 +269,12 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
     w._verify_parts = (0.0, 0.0, 0.0)
     w._draft_log = None
     w._check_lens, w._events, w._lens_reports = True, deque(maxlen=16), 0  # NGRAMSPEC_CHECK_LENS on
+    w._device_streak = 0
+    w._history = None
+    if config.device_drafts:  # as at start-up: a row per request slot (`req_pool_idx`: the request's index here)
+        from ngramspec_sglang.device_drafts import DeviceHistory
+
+        w._history = DeviceHistory(8, 1024, "cpu")
     w.grammar_tree_host = None
     w.token_to_kv_pool_allocator = None
     long = dict(dtype=torch.int64)
@@ -361,12 +367,25 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     # the relay holds the prefill's token; the scheduler adds it to the outputs after launching the first step
     unprocessed = (reqs[:n_requests], torch.tensor([[r.output_ids[0]] + [0] * (stride - 1) for r in reqs]),
                    torch.ones(n_requests, dtype=torch.int32))
-    for r in reqs:
+    for i, r in enumerate(reqs):
         r.output_ids = []
         r.finished = (lambda r=r: len(r.output_ids) >= len(truth[r.rid]))
+        r.req_pool_idx = i
+    if worker._history is not None:  # the first requests' prefill (run before the scenario starts) wrote them
+        worker._history.write_prompts(list(range(n_requests)), [r.origin_input_ids_unpadded
+                                                                 for r in reqs[:n_requests]])
     planned_sizes = []  # the batch size of every plan (a batch above draft_max_batch runs without one)
     plan = worker.planner.plan
     worker.planner.plan = lambda views, **kw: planned_sizes.append(len(views)) or plan(views, **kw)
+    device_steps = []  # the steps drafted on the device (`device_drafts`): (batch size, width)
+    on_device = worker._forward_device_drafts
+
+    def count_device(batch, *a):
+        out = on_device(batch, *a)
+        if out is not None:
+            device_steps.append((len(batch.reqs), worker._last_width))
+        return out
+    worker._forward_device_drafts = count_device
     with patched(worker_mod, forward_mod, world):
         aborted, decode_steps, histories_ok = set(), 0, True
         for step in range(steps):
@@ -380,6 +399,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
                 late = reqs[n_requests]
                 result = worker.forward_batch_generation(SimpleNamespace(
                     reqs=[late], forward_mode=ForwardMode.EXTEND, seq_lens=torch.tensor([len(late.origin_input_ids)]),
+                    req_pool_indices=torch.tensor([n_requests]),
                     spec_info=None, has_grammar=False, return_logprob=False))
                 commit(*unprocessed, truth)
                 first = result.next_draft_input
@@ -401,7 +421,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             batch = SimpleNamespace(
                 reqs=live, forward_mode=ForwardMode.DECODE, spec_info=relay_rows(relay, idx, stride),
                 seq_lens=seq_lens[idx].clone(), seq_lens_cpu=None, seq_lens_sum=None, orig_seq_lens=None,
-                req_pool_indices=torch.arange(len(live)), req_to_token_pool=SimpleNamespace(req_to_token=None),
+                req_pool_indices=torch.tensor(idx), req_to_token_pool=SimpleNamespace(req_to_token=None),
                 input_ids=None, out_cache_loc=None, has_grammar=False,
                 return_logprob=bool(logprob_every) and step % logprob_every == 0,
                 sampling_info=SimpleNamespace(has_watermark_candidates=False),
@@ -445,7 +465,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             "host_lens_checks": world.host_lens_checks, "logprob_steps": world.logprob_steps,
             "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
             "preplan_failed": worker._preplan_failed, "lens_reports": worker._lens_reports,
-            "planned_sizes": sorted(set(planned_sizes)), "recycled_requests": worker.planner.recycled_requests,
+            "planned_sizes": sorted(set(planned_sizes)), "device_steps": len(device_steps),
+            "recycled_requests": worker.planner.recycled_requests,
             "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
                              if worker.planner.recycle_table is not None else 0),
             "stats": dict(worker.planner.stats.__dict__)}
