@@ -161,6 +161,11 @@ CONFIGS = {
     "adaptive_f16": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16}),
     "adaptive_f16_pp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16,
                                                                                     "preplan": True}),
+    # up to 1 or 3 steps in a row after a drafting step draft on the device (prompt lookup), without waiting
+    "adaptive_dd1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"device_drafts": 1}),
+    "adaptive_dd3": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"device_drafts": 3}),
+    "adaptive_f16_dd3": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16,
+                                                                                     "device_drafts": 3}),
 }
 
 
