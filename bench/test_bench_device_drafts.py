@@ -24,11 +24,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from ngramspec.layout import accepted_path  # noqa: E402
 from ngramspec_sglang.config import AdaptiveConfig  # noqa: E402
 from ngramspec_sglang.device_drafts import lookup_reference  # noqa: E402
 from ngramspec_sglang.drafting import DraftPlanner, RequestView  # noqa: E402
-
-from ngramspec.layout import accepted_path  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
 TRACES = ("agent_swe_gpt4_dev", "chat_gpt4", "reasoning_o3mini")
