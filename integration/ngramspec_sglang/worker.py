@@ -134,7 +134,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         # NGRAMSPEC_CHECK_LENS=1: every verify compares the host's sequence lengths with the device's (a sync per
         # step, for diagnosis only) and logs the requests and the recent forwards where they differ
         self._check_lens = os.environ.get("NGRAMSPEC_CHECK_LENS", "") not in ("", "0")
-        self._events: deque = deque(maxlen=16)  # (kind, rids, relayed rids) of the last forwards (the check's log)
+        self._events: deque = deque(maxlen=16)  # the last forwards: (kind, rids[, width, forwards]), for the check
         self._lens_reports = 0
         if get_observability().enable_metrics and self._tp_group.rank_in_group == 0:
             from .metrics import NgramspecGauges
