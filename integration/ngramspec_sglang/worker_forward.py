@@ -65,7 +65,6 @@ class PrePlan:
 class DevicePlan:
     """What `_finish_verify` reads of a plan, for a step drafted on the device (`device_drafts`): its width."""
     width: int
-    drafted: tuple = ()
 
 
 def _restore(batch: ScheduleBatch, saved: tuple) -> None:
@@ -296,16 +295,8 @@ class WorkerForward:
                 with get_spec().override(speculative_num_draft_tokens=width):
                     self._fill_drafts(batch, plan, pre.buffers, int(sum(seq_lens_host)), mask_out=pre.mask_buffer,
                                       mask_index=pre.mask_index)
-                    set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
                     verify_input: NgramVerifyInput = pre.verify_input
-                    t = time.perf_counter()
-                    self._fwd_marks[0] = self._dmark()
-                    batch_result = self.target_worker.forward_batch_generation(
-                        None, forward_batch=pre.forward_batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True
-                    )
-                    t_fwd = time.perf_counter()
-                    self._fwd_marks[1] = self._dmark()
-                    self._forward_s = t_fwd - t
+                    batch_result, t, t_fwd = self._replay_prepared(batch, pre, pp_proxy_tensors)
             except Exception:
                 # an SGLang the prepared path does not fit: this step runs unprepared (a forward it may have run
                 # wrote the same tokens' KV at the same slots, which the unprepared one writes again), and the
@@ -338,6 +329,19 @@ class WorkerForward:
             finally:
                 batch.seq_lens_cpu, batch.seq_lens_sum = saved
         return self._finish_verify(batch, plan, verify_input, batch_result, on_publish, t_in, t, t_fwd)
+
+    def _replay_prepared(self, batch: ScheduleBatch, pre: PrePlan, pp_proxy_tensors):
+        """The forward of a verify prepared before the wait (its drafts and mask written): the CUDA graph replays
+        the loaded `ForwardBatch`. Returns (the result, host clock before and after the call)."""
+        set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
+        t = time.perf_counter()
+        self._fwd_marks[0] = self._dmark()
+        batch_result = self.target_worker.forward_batch_generation(
+            None, forward_batch=pre.forward_batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True)
+        t_fwd = time.perf_counter()
+        self._fwd_marks[1] = self._dmark()
+        self._forward_s = t_fwd - t
+        return batch_result, t, t_fwd
 
     def _finish_verify(self, batch: ScheduleBatch, plan, verify_input, batch_result, on_publish, t_in, t, t_fwd):
         """After a verify forward: tree sampling, KV moves of the accepted tokens, the result SGLang receives."""
@@ -426,14 +430,7 @@ class WorkerForward:
                 reconstruct_indices_from_tree_mask_func(tree_mask, batch.seq_lens, positions, retrieve_index,
                                                         retrieve_next_token, retrieve_next_sibling, bs, width)
                 write_tree_masks(pre.mask_buffer, pre.mask_index, tree_mask)
-                set_time_batch(batch.reqs, "set_spec_draft_end_time", trace_only=True)
-                t = time.perf_counter()
-                self._fwd_marks[0] = self._dmark()
-                batch_result = self.target_worker.forward_batch_generation(
-                    None, forward_batch=pre.forward_batch, pp_proxy_tensors=pp_proxy_tensors, is_verify=True)
-                t_fwd = time.perf_counter()
-                self._fwd_marks[1] = self._dmark()
-                self._forward_s = t_fwd - t
+                batch_result, t, t_fwd = self._replay_prepared(batch, pre, pp_proxy_tensors)
         except Exception:
             # as a failing prepared verify: this step runs as without the option, and the option is off from now
             logger.exception("NGRAM_ADAPTIVE: a step drafted on the device failed; device drafts are off from now")
