@@ -456,7 +456,7 @@ class WorkerForward:
     def _forward_extend(self, batch: ScheduleBatch, on_publish, pp_proxy_tensors):
         bs = len(batch.reqs)
         if self._history is not None:  # device drafts: the prompts into the requests' rows
-            self._history.write_prompts([req.req_pool_idx for req in batch.reqs],
+            self._history.write_prompts(batch.req_pool_indices[:bs].tolist(),  # a Req's row is not an attribute of it
                                         [req.origin_input_ids_unpadded for req in batch.reqs])
         self._relayed_rids = {req.rid for req in batch.reqs}
         state = self._width_states.get(self.max_width)

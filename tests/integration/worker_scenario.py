@@ -370,7 +370,6 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     for i, r in enumerate(reqs):
         r.output_ids = []
         r.finished = (lambda r=r: len(r.output_ids) >= len(truth[r.rid]))
-        r.req_pool_idx = i
     if worker._history is not None:  # the first requests' prefill (run before the scenario starts) wrote them
         worker._history.write_prompts(list(range(n_requests)), [r.origin_input_ids_unpadded
                                                                  for r in reqs[:n_requests]])
