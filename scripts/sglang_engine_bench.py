@@ -303,6 +303,11 @@ def run_one(name: str, a) -> dict:
     prof = os.path.join(tempfile.mkdtemp(), "profile.json")
     os.environ["NGRAMSPEC_PROFILE"] = prof
     sched = os.path.join(tempfile.mkdtemp(), "sched.json")
+    kprof = None
+    if a.kernel_profile:
+        kprof = os.path.join(tempfile.mkdtemp(), "kernels.json")
+        os.environ["NGRAMSPEC_KERNEL_PROFILE"] = kprof
+        os.environ["NGRAMSPEC_KERNEL_PROFILE_STEPS"] = str(a.kernel_profile)
     if a.sched_profile:
         os.environ["NGRAMSPEC_SCHED_PROFILE"] = sched
         if os.environ.get("CPROF_DIR"):
@@ -342,12 +347,40 @@ def run_one(name: str, a) -> dict:
                     previous = out["runs"].get(f"{set_name}/c{conc}") if attempt else None
                     if previous is not None:
                         run["compiled_first_try"] = {k: previous[k] for k in ("tok_s", "seconds", "new_triton_kernels")}
+                    if kprof is not None:  # after the timed set: the profiler's host time stays out of it
+                        run["kernel_profile"] = kernel_window(engine, kprof, warm_copy if set_name == "copy" else warm,
+                                                              sampling, conc)
                     out["runs"][f"{set_name}/c{conc}"] = run
                     if not run["new_triton_kernels"]:
                         break
     finally:
         engine.shutdown()
     return out
+
+
+def kernel_window(engine, path: str, prompts: list, sampling: dict, conc: int, wait_s: float = 20.0) -> dict:
+    """GPU time by kernel over the first decode steps of an untimed pass (warm-up prompts of the set's kind, at its
+    concurrency), from the worker's NGRAMSPEC_KERNEL_PROFILE window (NGRAM_ADAPTIVE configurations only). The pass
+    adds its outputs to the n-gram caches: take speed figures from a run without it."""
+    if os.path.exists(path):
+        os.remove(path)
+    open(path + ".start", "w").close()
+    if conc == 1:
+        for prompt in prompts[:4]:  # one at a time, as the set: a window of up to 4 requests' steps
+            engine.generate(prompt, sampling)
+            if os.path.exists(path):
+                break
+    else:
+        engine.generate(prompts[:conc], sampling)
+    t = time.time()
+    while not os.path.exists(path) and time.time() - t < wait_s:
+        time.sleep(0.1)
+    if not os.path.exists(path):
+        if os.path.exists(path + ".start"):
+            os.remove(path + ".start")
+        return {"error": "no window written (not an NGRAM_ADAPTIVE server, or fewer decode steps than the window)"}
+    with open(path) as f:
+        return json.load(f)
 
 
 def triton_kernels() -> set:
@@ -451,6 +484,9 @@ def main() -> int:
                    help="untimed passes of the warm-up prompts before each timed set at concurrency > 1")
     p.add_argument("--sched-profile", action="store_true",
                    help="time the scheduler's phases per decode step (NGRAMSPEC_SCHED_PROFILE), every config")
+    p.add_argument("--kernel-profile", type=int, metavar="STEPS", default=0,
+                   help="after each timed set, split STEPS decode steps of an untimed pass by GPU kernel "
+                        "(NGRAMSPEC_KERNEL_PROFILE; NGRAM_ADAPTIVE configurations; e.g. 32)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
@@ -503,6 +539,17 @@ def main() -> int:
         for run, r in res.get("runs", {}).items():
             if r.get("new_triton_kernels"):
                 print(f"Triton compiled during the timed set {name} {run}: {r['new_triton_kernels']}")
+    if any(r.get("kernel_profile") for res in results.values() for r in res.get("runs", {}).values()):
+        print("\nGPU ms per decode step by kernel category (an untimed pass after each set; widths: steps per width)")
+        for name, res in results.items():
+            for run, r in res.get("runs", {}).items():
+                k = r.get("kernel_profile") or {}
+                if "gpu_ms_per_step" in k:
+                    cats = " ".join(f"{c} {v:.3f}" for c, v in k["by_category_ms_per_step"].items())
+                    print(f"{name:14s} {run:9s} total {k['gpu_ms_per_step']:.3f}  widths {k['widths']} "
+                          f"forwards {k['forwards']} prefills {k['prefills_in_window']}  {cats}")
+                elif k:
+                    print(f"{name:14s} {run:9s} {k.get('error')}")
     for name, res in results.items():
         for run, r in res.get("runs", {}).items():
             ctl = (r.get("profile") or {}).get("controller")

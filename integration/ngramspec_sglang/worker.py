@@ -51,6 +51,7 @@ from .config import resolve_config
 from .diagnostics import DraftLog, HostProfile
 from .drafting import DraftPlanner
 from .host_seq_lens import set_cpu_seq_lens_need
+from .kernel_profile import KernelProfile
 from .relay import request_views
 from .sampling_fallback import install_if_needed as install_sampling_fallback
 from .state import StateKeeper
@@ -109,6 +110,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             self._profile.live_stats = lambda: self.planner.stats
             if not _is_cpu:
                 self._profile.device_marks(torch.get_device_module(self.device))
+        self._kprof = KernelProfile.from_env(self._tp_group.rank_in_group,
+                                             None if _is_cpu else torch.get_device_module(self.device).synchronize)
         self._fwd_marks = [None, None]  # device marks around the last forward call (profile only)
         self._timer = StepTimer.for_device(
             self._record_duration, None if _is_cpu else torch.get_device_module(self.device),
@@ -258,6 +261,11 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         return None
 
     # ------------------------------------------------------------------------------ stepping
+    def _step_launched(self, width: int, bs: int, forwards: int = 1) -> None:
+        self._timer.step_launched(width, bs, forwards)
+        if self._kprof is not None:
+            self._kprof.launched(width, bs, forwards)
+
     def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None, pp_proxy_tensors=None):
         """One decode step. Under the overlap schedule the previous step's tokens are still on the device when
         this runs. Waiting for them idles the GPU, so a step first plans on what the host already has (the
@@ -272,8 +280,12 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             self._timer.interrupt()
             if self._profile is not None:
                 self._profile.interrupt()
+            if self._kprof is not None:
+                self._kprof.prefill()
             return self._forward_extend(batch, on_publish, pp_proxy_tensors)
         t0 = time.perf_counter()
+        if self._kprof is not None:
+            self._kprof.before_step()
         if self._state is not None:
             self._state.maybe_save(self.planner.controller)  # rank 0, every state_save_minutes
         fwd_stream = torch.get_device_module(self.device).current_stream()
@@ -307,7 +319,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
                 if self._check_lens:
                     self._events.append(("decode, unplanned", rids, 1, forwards))
                 self.planner.plain_stepped(bs, forwards)
-                self._timer.step_launched(1, bs, forwards)
+                self._step_launched(1, bs, forwards)
                 if self._profile is not None:
                     self._profile.add_device(1, bs, (m0, *self._fwd_marks, self._dmark()))
                     self._profile.add(1, bs, True, 0.0, t_plan - t0, time.perf_counter() - t_plan,
@@ -384,7 +396,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         if plan.width > 1:
             self._last_width = plan.width
         self._backoff.planned(plan.width)
-        self._timer.step_launched(plan.width, bs, forwards)
+        self._step_launched(plan.width, bs, forwards)
         if self._profile is not None:
             self._profile.add_device(plan.width, bs, (m0, *self._fwd_marks, self._dmark()))
             self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,

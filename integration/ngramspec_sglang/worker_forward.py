@@ -444,7 +444,7 @@ class WorkerForward:
         self._device_streak += 1
         self.planner.forget_outcomes(rids)  # the next plan sees two steps' tokens: no accept count from them
         self._backoff.planned(width)
-        self._timer.step_launched(width, bs, 1)
+        self._step_launched(width, bs, 1)
         if self._check_lens:
             self._events.append(("decode, device drafts", rids, width, 1))
         if self._profile is not None:

@@ -75,3 +75,29 @@ def test_the_http_bench_configs_resolve_and_write_their_file(tmp_path):
             assert ctl.max_step_tokens == items[-1]["controller"]["max_step_tokens"]
         checked += 1
     assert checked >= 1
+
+
+def test_the_kernel_window_is_read_back_after_an_untimed_pass(configs, tmp_path):
+    """`--kernel-profile`: the bench opens a window (the start file), runs an untimed pass, and reads what the
+    worker wrote; a server that never writes one (plain decoding) gives an error entry, and no start file is left."""
+    bench = sys.modules["sglang_engine_bench_configs"]
+    path = str(tmp_path / "kernels.json")
+
+    class Worker:  # what the scheduler's worker does with the files, at the first generate after the start file
+        def __init__(self, writes):
+            self.writes, self.calls = writes, 0
+
+        def generate(self, prompts, sampling):
+            self.calls += 1
+            if self.writes and Path(path + ".start").exists():
+                Path(path).write_text(json.dumps({"steps": 32, "gpu_ms_per_step": 7.5}))
+                Path(path + ".start").unlink()
+
+    engine = Worker(True)
+    assert bench.kernel_window(engine, path, ["a", "b"], {}, 1) == {"steps": 32, "gpu_ms_per_step": 7.5}
+    assert engine.calls == 1  # the window closed in the first request
+    engine = Worker(False)
+    out = bench.kernel_window(engine, path, ["a", "b", "c", "d", "e"], {}, 1, wait_s=0.2)
+    assert "error" in out and engine.calls == 4 and not Path(path + ".start").exists() and not Path(path).exists()
+    engine = Worker(True)
+    assert bench.kernel_window(engine, path, ["a"] * 16, {}, 16)["steps"] == 32 and engine.calls == 1

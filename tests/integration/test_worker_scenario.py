@@ -189,3 +189,16 @@ def test_steps_drafted_on_the_device_stay_exact_and_accept_drafts(results, name)
     assert r["preplan"].get("used", 0) + r["preplan"].get("fitted", 0) + r["device_steps"] == r["prepared_verifies"]
     assert all(r["mask_checks"])
     assert r["steps"] < results["defaults"]["steps"] * 1.5  # drafts on the device are accepted: few extra steps
+
+
+@pytest.mark.parametrize("name", ["defaults", "fixed16", "join", "device3"])
+def test_the_kernel_profile_splits_one_window_of_decode_steps(results, name):
+    """NGRAMSPEC_KERNEL_PROFILE in the worker: a window opened by its start file covers the next decode steps
+    (here the host's ops stand in for kernels), then is written once and the start file removed."""
+    r = results[name]
+    k = r["kernel_profile"]
+    assert r["kernel_windows"] == 1 and not r["kernel_start_left"]
+    assert k["steps"] == 6 and sum(k["widths"].values()) == 6 == sum(k["batch_sizes"].values())
+    assert k["forwards"] >= 6 and k["prefills_in_window"] == 0
+    assert k["kernels"] and k["gpu_ms_per_step"] > 0
+    assert sum(k["by_category_ms_per_step"].values()) == pytest.approx(k["gpu_ms_per_step"], rel=1e-3, abs=1e-3)

@@ -35,6 +35,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 512  # the scripted model's vocabulary (its tokens are 1..499)
+KERNEL_WINDOW = 6  # decode steps in the kernel profile's window (NGRAMSPEC_KERNEL_PROFILE)
 
 
 class _Anything:
@@ -258,6 +259,13 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
     from ngramspec_sglang.diagnostics import HostProfile
 
     w._profile = HostProfile(str(profile_path))  # the real one: the worker's calls into it run too
+    from ngramspec_sglang.kernel_profile import KernelProfile
+
+    # the real window logic and torch's profiler; on CPU there are no kernels, so the host's ops stand in for them
+    kpath = str(profile_path) + ".kernels"
+    open(kpath + ".start", "w").close()  # a window from the first decode step
+    w._kprof = KernelProfile(kpath, steps=KERNEL_WINDOW, synchronize=lambda: None,
+                             kernels_of=lambda prof: [(e.name, e.time_range.elapsed_us()) for e in prof.events()])
     w._fwd_marks = [None, None]
     w._timer = SimpleNamespace(harvest=lambda: None, step_launched=lambda *a: None, interrupt=lambda: None)
     w._drafted_last = False
@@ -450,6 +458,9 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             commit(*unprocessed, truth)
     worker._profile.dump()
     profile = json.loads((Path(tmp.name) / "profile.json").read_text())
+    kpath = Path(tmp.name) / "profile.json.kernels"
+    kernels = json.loads(kpath.read_text()) if kpath.exists() else None
+    kernel_start_left = Path(str(kpath) + ".start").exists()
     tmp.cleanup()
     outputs_ok = all(r.output_ids == truth[r.rid] for r in reqs if r.rid not in aborted)
     outputs_ok &= all(r.output_ids == truth[r.rid][:len(r.output_ids)] for r in reqs)
@@ -468,7 +479,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             "recycled_requests": worker.planner.recycled_requests,
             "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
                              if worker.planner.recycle_table is not None else 0),
-            "stats": dict(worker.planner.stats.__dict__)}
+            "stats": dict(worker.planner.stats.__dict__), "kernel_profile": kernels,
+            "kernel_start_left": kernel_start_left, "kernel_windows": worker._kprof.windows}
 
 
 def relay_rows(relay, idx, stride):
