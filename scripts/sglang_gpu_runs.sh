@@ -67,6 +67,7 @@ PY
       EXTRA=${EXTRA:-'{"mem_fraction_static": 0.7}'}  # 60 GB of weights: the default 0.5 leaves too little KV cache
     fi
     # EXTRA: a JSON object of more sglang.Engine arguments (e.g. '{"mem_fraction_static": 0.85}' for an 80 GB model)
+    # BENCH_ARGS: more arguments of the engine bench (e.g. "--kernel-profile 32")
     # PAD_ARGS: sizes for scripts/pad_model.py (e.g. PAD_ARGS="--top-k 1 --intermediate 45056"), one model folder each
     M=${PADDED:-$(dirname "$2")/smollm2-$1$(echo "${PAD_ARGS:-}" | tr -dc 'a-z0-9')}
     if [ ! -f "$M/model.safetensors" ]; then
@@ -79,9 +80,10 @@ PY
         --max-new-tokens 48 --warm-prompts 2 --concurrency 1 16 --configs adaptive_sweep --timeout 300 --sched-profile \
         ${EXTRA:+--extra "$EXTRA"}
     fi
+    # shellcheck disable=SC2086
     $BENCH --model "$M" --dtype float16 --out "$OUT/$1${TAG:-}.json" --logs "$OUT/logs_$1${TAG:-}" --prompts-per-set 16 \
       --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,adaptive,ngram8,ngram}" --timeout 420 --sched-profile \
-      ${EXTRA:+--extra "$EXTRA"}
+      ${EXTRA:+--extra "$EXTRA"} ${BENCH_ARGS:-}
     ;;
   *) echo "usage: $0 tiny | smollm2 MODEL_DIR [configs] | dense8b|moe|moe64 SMOLLM2_DIR [configs] | dummy8b" >&2; exit 2 ;;
 esac
