@@ -166,6 +166,10 @@ CONFIGS = {
     "adaptive_dd3": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"device_drafts": 3}),
     "adaptive_f16_dd3": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16,
                                                                                      "device_drafts": 3}),
+    # a verify's attention split over the prefix (as a decode step's) instead of SGLang's prefill kernel
+    "adaptive_skv": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"split_kv_verify": True}),
+    "adaptive_f16_skv": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16,
+                                                                                     "split_kv_verify": True}),
 }
 
 

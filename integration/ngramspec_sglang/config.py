@@ -80,6 +80,9 @@ ADAPTIVE_CONFIG_KEYS = {
                      "lookup over the request's own tokens (kept in a device table, 4 bytes per token of every "
                      "request slot's row), verified at the width of the last drafting step. Needs preplan's "
                      "conditions (CUDA graphs, Triton attention); not with recycle",
+    "split_kv_verify": "experimental, default false: a verify's attention splits each request's prefix over many "
+                       "GPU programs, as a decode step's does, instead of SGLang's prefill kernel (one program per "
+                       "request and head walking the whole prefix); trees and chains; Triton attention only",
     "width_cycle": "diagnostic: verify at these widths in turn, one step each, drafting what fits (a sweep of "
                    "the step cost by width: the NGRAMSPEC_PROFILE durations); replaces the controller",
 }
@@ -111,6 +114,7 @@ class AdaptiveConfig:
     width_cycle: tuple[int, ...] | None = None
     draft_max_batch: int | None = DEFAULT_DRAFT_MAX_BATCH
     device_drafts: int = 0
+    split_kv_verify: bool = False
     plain_forwards_auto: bool = field(default=False, init=False)
 
     def __post_init__(self):
@@ -169,6 +173,8 @@ class AdaptiveConfig:
             raise ValueError(f"draft_max_batch must be an int >= 1, got {self.draft_max_batch!r}")
         if not _is_int(self.device_drafts) or self.device_drafts < 0:
             raise ValueError(f"device_drafts must be an int >= 0, got {self.device_drafts!r}")
+        if not isinstance(self.split_kv_verify, bool):
+            raise ValueError(f"split_kv_verify must be true or false, got {self.split_kv_verify!r}")
         if self.device_drafts and self.recycle:
             raise ValueError("device_drafts and recycle do not go together (device drafts are not recorded for "
                              "recycling); drop one")
@@ -264,4 +270,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         width_cycle=data.get("width_cycle"),
         draft_max_batch=data.get("draft_max_batch", DEFAULT_DRAFT_MAX_BATCH),
         device_drafts=data.get("device_drafts", AdaptiveConfig.device_drafts),
+        split_kv_verify=data.get("split_kv_verify", AdaptiveConfig.split_kv_verify),
     )

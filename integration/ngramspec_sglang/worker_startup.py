@@ -61,8 +61,10 @@ class WorkerStartup:
         what a server without speculation captures: an attention backend and a decode-mode graph runner (built
         while the model runner reports no speculative algorithm, which is what selects the DECODE capture).
         """
-        super().init_cuda_graphs()
         runner = self.model_runner
+        self._split_kv = self._new_split_kv() if self.config.split_kv_verify and not _is_cpu else None
+        self._install_split_kv(runner.attn_backend)  # before SGLang captures the largest width's graphs with it
+        super().init_cuda_graphs()
         self._width_states[self.max_width] = (runner.attn_backend, runner.decode_cuda_graph_runner)
         graphs_enabled = not check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)
         for width in self.config.widths[:-1]:
@@ -70,6 +72,7 @@ class WorkerStartup:
             with get_spec().override(speculative_num_draft_tokens=width, speculative_num_steps=steps), \
                     self._verify_capture_sizes(width):
                 backend = self._new_attention_backend()
+                self._install_split_kv(backend)
                 graph_runner = None
                 if graphs_enabled:
                     graph_runner = runner._decode_cuda_graph_runner_cls()(
@@ -88,6 +91,31 @@ class WorkerStartup:
             except Exception:  # the server still runs: width 1 then verifies the root alone
                 logger.exception("NGRAM_ADAPTIVE: no plain decode state; width 1 runs as a 1-token verify")
                 self._decode_state = None
+
+    def _new_split_kv(self):
+        """`split_kv_verify`: one set of buffers for every width's backend (steps run one after another), sized by the
+        model's attention layers as the backend sees them (query heads on this TP rank, value head size)."""
+        from sglang.srt.layers.radix_attention import RadixAttention
+
+        from .verify_attention import SplitKvVerify
+
+        layer = next((m for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)), None)
+        if layer is None:
+            logger.warning("NGRAM_ADAPTIVE: split_kv_verify needs attention layers; off")
+            return None
+        max_bs = min(self.config.draft_max_batch or self.max_batch_size, self.max_batch_size)
+        kernel = SplitKvVerify(max_bs, layer.tp_q_head_num, layer.v_head_dim, self.max_width, self.device)
+        logger.info("NGRAM_ADAPTIVE: split-KV verify attention on, up to %d requests (%.1f MB of buffers)", max_bs,
+                    kernel.nbytes / 2**20)
+        return kernel
+
+    def _install_split_kv(self, backend) -> None:
+        """`split_kv_verify`: ``backend``'s verifies through `SplitKvVerify` (`verify_attention.install`)."""
+        from .verify_attention import install
+
+        if self._split_kv is not None and not install(backend, self._split_kv):
+            logger.warning("NGRAM_ADAPTIVE: split_kv_verify needs the Triton attention backend, not %s; off for it",
+                           type(backend).__name__)
 
     def _verify_capture_sizes(self, width: int):
         """The batch sizes a verify graph of ``width`` is captured for: with draft_max_batch, up to it (larger batches
