@@ -103,25 +103,31 @@ def _merge_stage2(
     offs_d = tl.arange(0, BLOCK_DMODEL)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_l = tl.arange(0, L_EXT)
-    offs_s = tl.arange(0, N_SPLITS)
     q_start = tl.load(qo_indptr + cur_batch)
     l_ext = tl.load(qo_indptr + cur_batch + 1) - q_start
     mask_l = offs_l < l_ext
     dv_ok = offs_dv < V_HEAD_DIM
 
-    # (a) the prefix: merge the splits by their log-sum-exp
-    lse = tl.load(Att_Lse + cur_batch * stride_lb + cur_head * stride_lh + offs_s[:, None] * stride_ls
-                  + offs_l[None, :], mask=mask_l[None, :], other=float("-inf"))  # [N_SPLITS, L_EXT]
-    m_p = tl.max(lse, 0)
-    m_p = tl.where(m_p == float("-inf"), 0.0, m_p)  # no prefix at all (not a verify's case): no NaN
-    w = tl.exp(lse - m_p[None, :])
-    denom_p = tl.sum(w, 0)
-    ao = tl.load(Att_Out + cur_batch * stride_ob + cur_head * stride_oh + offs_s[:, None, None] * stride_os
-                 + offs_l[None, :, None] * stride_ol + offs_dv[None, None, :],
-                 mask=mask_l[None, :, None] & dv_ok[None, None, :], other=0.0)  # [N_SPLITS, L_EXT, Dv]
-    ao = tl.where(w[:, :, None] > 0.0, ao, 0.0)  # an empty split wrote no output: whatever is there stays out
-    o_prefix = tl.sum(ao * w[:, :, None], 0) / tl.where(denom_p == 0.0, 1.0, denom_p)[:, None]
-    lse_prefix = m_p + tl.log(denom_p)
+    # (a) the prefix: merge the splits by their log-sum-exp, one split at a time (few registers at any head size)
+    m_p = tl.zeros([L_EXT], dtype=tl.float32) - float("inf")
+    denom_p = tl.zeros([L_EXT], dtype=tl.float32)
+    o_prefix = tl.zeros([L_EXT, BLOCK_DV], dtype=tl.float32)
+    for s in tl.static_range(N_SPLITS):
+        lse_s = tl.load(Att_Lse + cur_batch * stride_lb + cur_head * stride_lh + s * stride_ls + offs_l,
+                        mask=mask_l, other=float("-inf"))
+        ran = lse_s > float("-inf")  # an empty split wrote no output: whatever is there stays out
+        ao = tl.load(Att_Out + cur_batch * stride_ob + cur_head * stride_oh + s * stride_os
+                     + offs_l[:, None] * stride_ol + offs_dv[None, :],
+                     mask=(mask_l & ran)[:, None] & dv_ok[None, :], other=0.0)
+        n_m = tl.maximum(m_p, lse_s)
+        n_m_safe = tl.where(n_m == float("-inf"), 0.0, n_m)
+        scale = tl.exp(m_p - n_m_safe)
+        w = tl.where(ran, tl.exp(lse_s - n_m_safe), 0.0)
+        o_prefix = o_prefix * scale[:, None] + ao * w[:, None]
+        denom_p = denom_p * scale + w
+        m_p = n_m
+    o_prefix = o_prefix / tl.where(denom_p == 0.0, 1.0, denom_p)[:, None]
+    lse_prefix = tl.where(m_p == float("-inf"), 0.0, m_p) + tl.log(denom_p)
 
     # (b) among the draft tokens: the tree's mask (or the causal chain)
     rows = (q_start + offs_l)[:, None]
