@@ -173,13 +173,39 @@ CONFIGS = {
 }
 
 
-def chat_prompts(model: str, prompts: list[str]) -> list[str]:
+PREAMBLE_FILES = ("ngramspec/cache.py", "ngramspec/_trie.py", "ngramspec/_draft.py", "ngramspec/layout.py")
+
+
+def preamble_text(tok, n_tokens: int) -> str:
+    """A long shared context of about ``n_tokens`` tokens, as an agent's system prompt carries one: this repository's
+    own source files, repeated as needed, cut at ``n_tokens`` tokens (deterministic for a given tokenizer)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parts = []
+    for rel in PREAMBLE_FILES:
+        path = os.path.join(root, rel)
+        if os.path.exists(path):
+            with open(path) as f:
+                parts.append(f"# file: {rel}\n{f.read()}")
+    body = "\n\n".join(parts) or "def f(x):\n    return x\n"
+    head = "You are a coding assistant. The repository's files follow; answer the user's request.\n\n"
+    ids = tok(head + body)["input_ids"]
+    while len(ids) < n_tokens:
+        body = body + "\n\n" + body
+        ids = tok(head + body)["input_ids"]
+    return tok.decode(ids[:n_tokens], skip_special_tokens=True)
+
+
+def chat_prompts(model: str, prompts: list[str], preamble_tokens: int = 0) -> list[str]:
+    """The prompts in the model's chat template; with ``preamble_tokens``, each behind the same long system prompt
+    (`preamble_text`): every step then attends over thousands of tokens, as in agents' requests."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
+    system = preamble_text(tok, preamble_tokens) if preamble_tokens > 0 else None
     if not getattr(tok, "chat_template", None):
-        return prompts
-    return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        return [f"{system}\n\n{p}" if system else p for p in prompts]
+    lead = [{"role": "system", "content": system}] if system else []
+    return [tok.apply_chat_template(lead + [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
             for p in prompts]
 
 
@@ -321,11 +347,13 @@ def run_one(name: str, a) -> dict:
                            **{**COMMON, **extra, **cfg})
     startup = time.time() - t0
     sampling = {"temperature": 0, "max_new_tokens": a.max_new_tokens}
-    sets = {"copy": chat_prompts(a.model, COPY_PROMPTS)[: a.prompts_per_set],
-            "free": chat_prompts(a.model, FREE_PROMPTS)[: a.prompts_per_set]}
-    warm = chat_prompts(a.model, WARM_PROMPTS)[: min(a.prompts_per_set, a.warm_prompts)]
-    warm_copy = chat_prompts(a.model, WARM_COPY)[: min(a.prompts_per_set, a.warm_prompts)]
-    out = {"config": name, "startup_s": round(startup, 1), "runs": {}, "prompt_ids": prompt_ids(a.model, sets),
+    pre = a.preamble_tokens
+    sets = {"copy": chat_prompts(a.model, COPY_PROMPTS, pre)[: a.prompts_per_set],
+            "free": chat_prompts(a.model, FREE_PROMPTS, pre)[: a.prompts_per_set]}
+    warm = chat_prompts(a.model, WARM_PROMPTS, pre)[: min(a.prompts_per_set, a.warm_prompts)]
+    warm_copy = chat_prompts(a.model, WARM_COPY, pre)[: min(a.prompts_per_set, a.warm_prompts)]
+    out = {"config": name, "startup_s": round(startup, 1), "runs": {}, "preamble_tokens": pre,
+           "prompt_ids": prompt_ids(a.model, sets),
            "warm_prompt_ids": prompt_ids(a.model, {"free": warm, "copy": warm_copy})}
     try:
         for prompt in warm + warm_copy:  # untimed, one at a time: prefill and verify shapes meet first-time costs
@@ -488,6 +516,10 @@ def main() -> int:
                    help="untimed passes of the warm-up prompts before each timed set at concurrency > 1")
     p.add_argument("--sched-profile", action="store_true",
                    help="time the scheduler's phases per decode step (NGRAMSPEC_SCHED_PROFILE), every config")
+    p.add_argument("--preamble-tokens", type=int, default=0,
+                   help="put every prompt (timed and warm-up) behind the same long system prompt of this many tokens "
+                        "(this repository's source), so each step attends over a long context, as in agents' "
+                        "requests (e.g. 4000; the radix cache holds it after the warm-up)")
     p.add_argument("--kernel-profile", type=int, metavar="STEPS", default=0,
                    help="after each timed set, split STEPS decode steps of an untimed pass by GPU kernel "
                         "(NGRAMSPEC_KERNEL_PROFILE; NGRAM_ADAPTIVE configurations; e.g. 32)")

@@ -101,3 +101,22 @@ def test_the_kernel_window_is_read_back_after_an_untimed_pass(configs, tmp_path)
     assert "error" in out and engine.calls == 4 and not Path(path + ".start").exists() and not Path(path).exists()
     engine = Worker(True)
     assert bench.kernel_window(engine, path, ["a"] * 16, {}, 16)["steps"] == 32 and engine.calls == 1
+
+
+class WordTokenizer:
+    """A stand-in tokenizer: one token per whitespace-separated word."""
+
+    def __call__(self, text):
+        return {"input_ids": text.split()}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(ids)
+
+
+def test_the_preamble_has_the_asked_length_and_is_the_same_every_time(configs):
+    bench = sys.modules["sglang_engine_bench_configs"]
+    tok = WordTokenizer()
+    for n in (50, 4000, 30000):  # the last one longer than the files: they repeat
+        text = bench.preamble_text(tok, n)
+        assert len(tok(text)["input_ids"]) == n and text == bench.preamble_text(tok, n)
+    assert "file: ngramspec/cache.py" in bench.preamble_text(tok, 200)
