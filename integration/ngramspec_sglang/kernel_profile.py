@@ -13,10 +13,13 @@ host time inside the window, so the window's own step times are not a configurat
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections import Counter
 from typing import Callable, Iterable, Optional
+
+logger = logging.getLogger(__name__)
 
 # first match wins; names lowercased (cuBLAS/CUTLASS/nvjet GEMMs, SGLang's Triton attention kernels, ...)
 CATEGORIES = (
@@ -97,6 +100,7 @@ class KernelProfile:
         self._forwards = 0
         self._prefills = 0
         self.windows = 0  # windows written
+        self.failed: Optional[str] = None  # why the profiler failed, once it has
 
     @classmethod
     def from_env(cls, rank: int, synchronize: Optional[Callable] = None):
@@ -111,12 +115,29 @@ class KernelProfile:
 
     def before_step(self) -> None:
         """Call at the start of every decode step: opens a window when ``FILE.start`` exists."""
-        if self._prof is None and os.path.exists(self.path + ".start"):
+        if self._prof is None and not self.failed and os.path.exists(self.path + ".start"):
             self._steps, self._forwards, self._prefills = 0, 0, 0
             self._widths.clear()
             self._batches.clear()
-            self._prof = self._factory()
-            self._prof.__enter__()
+            try:
+                prof = self._factory()
+                prof.__enter__()
+            except Exception as e:  # a diagnostic never takes the server down
+                self._fail(e)
+                return
+            self._prof = prof
+
+    def _fail(self, error: Exception) -> None:
+        """The profiler failed: say so in FILE, stop trying (the server runs on)."""
+        self.failed = repr(error)
+        self._prof = None
+        logger.warning("NGRAMSPEC_KERNEL_PROFILE: the profiler failed (%s); off", self.failed)
+        with open(self.path, "w") as f:
+            json.dump({"error": f"the profiler failed: {self.failed}"}, f)
+        try:
+            os.remove(self.path + ".start")
+        except FileNotFoundError:
+            pass
 
     def launched(self, width: int, batch_size: int, forwards: int = 1) -> None:
         """Call once a decode step's work is launched; closes the window after its last step."""
@@ -134,14 +155,19 @@ class KernelProfile:
             self._prefills += 1
 
     def _close(self) -> None:
-        if self._sync is not None:
-            self._sync()
         prof, self._prof = self._prof, None
-        prof.__exit__(None, None, None)
+        try:
+            if self._sync is not None:
+                self._sync()
+            prof.__exit__(None, None, None)
+            kernels = self._kernels_of(prof)
+        except Exception as e:  # a diagnostic never takes the server down
+            self._fail(e)
+            return
         result = {"steps": self._steps, "forwards": self._forwards, "prefills_in_window": self._prefills,
                   "widths": {str(k): v for k, v in sorted(self._widths.items())},
                   "batch_sizes": {str(k): v for k, v in sorted(self._batches.items())}}
-        result.update(summarize(self._kernels_of(prof), self._steps))
+        result.update(summarize(kernels, self._steps))
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(result, f)

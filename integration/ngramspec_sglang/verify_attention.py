@@ -27,6 +27,7 @@ MIN_BLOCK_KV = 32
 BLOCK_N = 32
 NUM_WARPS = 4
 MIN_ROWS = 16  # the draft rows are padded to at least this (tl.dot's smallest tile)
+SELF_CHECK_TOLERANCE = 0.02  # the start-up check's largest difference from SGLang's kernel (float16 outputs of ~1)
 
 
 @triton.jit
@@ -271,3 +272,45 @@ def install(backend, kernel: SplitKvVerify) -> bool:
     backend.use_verify_splitkv = True
     backend.verify_splitkv_fwd = torch.compiler.disable(kernel)
     return True
+
+
+def self_check(kernel: SplitKvVerify, h_kv: int, head_dim: int, dtype, device, reference=None,
+               width: int = 8, prefix_lens: tuple = (45, 300)) -> float:
+    """Run ``kernel`` once on a small random verify (two requests, a random tree each, paged prefixes) beside
+    SGLang's prefill kernel (``reference``, default `extend_attention_fwd`) and return the largest absolute
+    difference of their outputs. The worker runs it at start-up and turns the option off if it raises or differs."""
+    if reference is None:
+        from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd as reference
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    bs, h_q, width = len(prefix_lens), kernel.h_q, min(width, kernel.max_rows)
+    pool = sum(prefix_lens) + 8
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    k_buffer, v_buffer = rand(pool, h_kv, head_dim), rand(pool, h_kv, head_dim)
+    q, k, v = rand(bs * width, h_q, head_dim), rand(bs * width, h_kv, head_dim), rand(bs * width, h_kv, head_dim)
+    kv_indices = torch.randperm(pool, generator=gen)[: sum(prefix_lens)].to(device)
+    lens = torch.tensor(prefix_lens)
+    kv_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+    kv_indptr[1:] = torch.cumsum(lens, 0)
+    qo_indptr = torch.arange(0, (bs + 1) * width, width, dtype=torch.int32)
+    rows = []
+    for n in prefix_lens:  # SGLang's verify mask: prefix cells visible, then a random tree among the drafts
+        tree = torch.eye(width, dtype=torch.bool)
+        for i in range(1, width):
+            tree[i] |= tree[int(torch.randint(0, i, (1,), generator=gen))]
+        full = torch.ones(width, n + width, dtype=torch.bool)
+        full[:, n:] = tree
+        rows.append(full.reshape(-1))
+    mask = torch.cat(rows).to(device)
+    mask_indptr = torch.zeros(bs + 1, dtype=torch.int64)
+    mask_indptr[1:] = torch.cumsum(width * (lens + width), 0)
+    args = (k_buffer, v_buffer, qo_indptr.to(device), kv_indptr.to(device), kv_indices, mask, True,
+            mask_indptr.to(device), width, 1.0, 1.0, 1.0 / head_dim ** 0.5)
+    ours, theirs = torch.empty_like(q), torch.empty_like(q)
+    if not kernel(q, k, v, ours, *args):
+        raise RuntimeError("the split-KV kernel declined its own check")
+    kernel.launches -= 1
+    reference(q, k, v, theirs, *args)
+    return float((ours.float() - theirs.float()).abs().max())

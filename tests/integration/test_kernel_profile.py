@@ -92,3 +92,38 @@ def test_the_real_torch_profiler_opens_and_closes(tmp_path):
         kp.launched(1, 1)
     out = json.loads((tmp_path / "k.json").read_text())
     assert out["steps"] == 2 and out["gpu_ms_per_step"] >= 0 and isinstance(out["kernels"], list)
+
+
+class BrokenProfiler:
+    def __enter__(self):
+        raise RuntimeError("CUPTI unavailable")
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_failing_profiler_is_reported_and_turned_off_not_raised(tmp_path):
+    path = str(tmp_path / "k.json")
+    open(path + ".start", "w").close()
+    kp = KernelProfile(path, steps=2, profiler_factory=BrokenProfiler)
+    kp.before_step()
+    kp.launched(16, 1)
+    assert not kp.active and "CUPTI unavailable" in kp.failed
+    assert "CUPTI unavailable" in json.loads((tmp_path / "k.json").read_text())["error"]
+    assert not (tmp_path / "k.json.start").exists()
+    open(path + ".start", "w").close()
+    kp.before_step()  # no second try
+    assert not kp.active
+
+
+def test_a_profiler_that_fails_at_the_end_is_reported_too(tmp_path):
+    path = str(tmp_path / "k.json")
+    open(path + ".start", "w").close()
+
+    def bad_kernels(prof):
+        raise RuntimeError("no events")
+
+    kp = KernelProfile(path, steps=1, profiler_factory=FakeProfiler, kernels_of=bad_kernels)
+    kp.before_step()
+    kp.launched(16, 1)
+    assert kp.failed and "no events" in json.loads((tmp_path / "k.json").read_text())["error"]

@@ -191,3 +191,18 @@ def test_the_knob_is_a_boolean_and_off_by_default():
     assert AdaptiveConfig(widths=(1, 2, 4), split_kv_verify=True).split_kv_verify is True
     with pytest.raises(ValueError, match="split_kv_verify"):
         AdaptiveConfig(widths=(1, 2, 4), split_kv_verify="yes")
+
+
+@kernel_test
+def test_the_start_up_check_agrees_with_sglangs_kernel_and_catches_a_broken_one():
+    pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
+    from ngramspec_sglang.verify_attention import SELF_CHECK_TOLERANCE, self_check
+
+    kernel = SplitKvVerify(max_bs=4, h_q=8, v_head_dim=32, max_width=16, device="cpu")
+    assert self_check(kernel, 2, 32, torch.float16, "cpu") <= SELF_CHECK_TOLERANCE
+    assert kernel.launches == 0  # the check is not counted as a served verify
+
+    def zeros(q, k, v, o, *args):  # a "reference" that is wrong
+        o.zero_()
+
+    assert self_check(kernel, 2, 32, torch.float16, "cpu", reference=zeros) > SELF_CHECK_TOLERANCE
