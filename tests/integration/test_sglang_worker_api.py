@@ -174,3 +174,31 @@ def test_a_prepared_verify_finds_the_mask_buffer_where_it_writes_the_mask():
     assert "if not forward_batch.needs_forward_metadata_init():" in runner
     assert "self.buffers.input_ids[: self.raw_num_token].copy_(forward_batch.input_ids)" in runner
     assert "self.buffers.positions[: self.raw_num_token].copy_(forward_batch.positions)" in runner
+
+
+def test_the_split_kv_verify_hook_is_where_split_kv_verify_plugs_in():
+    """`split_kv_verify` sets the Triton backend's `use_verify_splitkv` and `verify_splitkv_fwd` (SGLang's own hook,
+    gated on AMD there): the verify path must still consult them, in this order, with the arguments our kernel takes
+    positionally; the start-up check calls SGLang's prefill kernel; the sizes come from the attention layers."""
+    import inspect
+
+    from ngramspec_sglang.verify_attention import SplitKvVerify
+
+    triton = module_file("sglang.srt.layers.attention.triton_backend").read_text()
+    assert "elif self.use_verify_splitkv:\n            verify_fwd = self.verify_splitkv_fwd" in triton
+    assert "if self.use_verify_shared_kv:" in triton  # checked first: the plugin turns it off
+    call = triton[triton.index("and verify_fwd(") : triton.index("):\n            return o")]
+    positional = [line.strip().rstrip(",") for line in call.splitlines()[1:] if line.strip()
+                  and "=" not in line.split("(")[0]][:16]
+    assert positional[9] == "self.forward_metadata.custom_mask" and positional[12].endswith("max_extend_len")
+    assert positional[15] == "layer.scaling"
+    ours = list(inspect.signature(SplitKvVerify.__call__).parameters)[1:]
+    assert ours[9] == "custom_mask" and ours[12] == "max_len_extend" and ours[15] == "sm_scale"
+    keywords = {line.strip().split("=")[0] for line in call.splitlines() if "=" in line and "(" not in line}
+    assert keywords <= set(ours), keywords - set(ours)
+    assert "extend_attention_fwd" in top_level_names("sglang.kernels.ops.attention.extend_attention")
+    init = ast.get_source_segment(module_file("sglang.srt.layers.radix_attention").read_text(), next(
+        n for n in class_node("sglang.srt.layers.radix_attention", "RadixAttention").body
+        if isinstance(n, ast.FunctionDef) and n.name == "__init__"))
+    for field in ("self.tp_q_head_num", "self.tp_k_head_num", "self.qk_head_dim", "self.v_head_dim"):
+        assert field in init
