@@ -334,7 +334,7 @@ def run_one(name: str, a) -> dict:
     os.environ["NGRAMSPEC_PROFILE"] = prof
     sched = os.path.join(tempfile.mkdtemp(), "sched.json")
     kprof = None
-    if a.kernel_profile:
+    if a.kernel_profile and cfg.get("speculative_algorithm") == "NGRAM_ADAPTIVE":  # the plugin's worker writes it
         kprof = os.path.join(tempfile.mkdtemp(), "kernels.json")
         os.environ["NGRAMSPEC_KERNEL_PROFILE"] = kprof
         os.environ["NGRAMSPEC_KERNEL_PROFILE_STEPS"] = str(a.kernel_profile)
