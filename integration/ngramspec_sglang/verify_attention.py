@@ -31,6 +31,15 @@ SELF_CHECK_TOLERANCE = 0.02  # the start-up check's largest difference from SGLa
 
 
 @triton.jit
+def _draft_rows(qo_indptr, cur_batch, L_EXT: tl.constexpr):
+    """Request ``cur_batch``'s draft rows: their offsets (padded to L_EXT), first row, count, and which are real."""
+    offs_l = tl.arange(0, L_EXT)
+    q_start = tl.load(qo_indptr + cur_batch)
+    l_ext = tl.load(qo_indptr + cur_batch + 1) - q_start
+    return offs_l, q_start, l_ext, offs_l < l_ext
+
+
+@triton.jit
 def _prefix_stage1(
     Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, Att_Out, Att_Lse,
     stride_qbs, stride_qh, stride_buf_kbs, stride_buf_kh, stride_buf_vbs, stride_buf_vh,
@@ -45,11 +54,7 @@ def _prefix_stage1(
     cur_kv_head = cur_head // kv_group_num
     offs_d = tl.arange(0, BLOCK_DMODEL)
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_l = tl.arange(0, L_EXT)
-
-    q_start = tl.load(qo_indptr + cur_batch)
-    l_ext = tl.load(qo_indptr + cur_batch + 1) - q_start
-    mask_l = offs_l < l_ext
+    offs_l, q_start, l_ext, mask_l = _draft_rows(qo_indptr, cur_batch, L_EXT)
     kv_start = tl.load(kv_indptr + cur_batch)
     seq_len = tl.load(kv_indptr + cur_batch + 1) - kv_start
 
@@ -103,10 +108,7 @@ def _merge_stage2(
     cur_kv_head = cur_head // kv_group_num
     offs_d = tl.arange(0, BLOCK_DMODEL)
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_l = tl.arange(0, L_EXT)
-    q_start = tl.load(qo_indptr + cur_batch)
-    l_ext = tl.load(qo_indptr + cur_batch + 1) - q_start
-    mask_l = offs_l < l_ext
+    offs_l, q_start, l_ext, mask_l = _draft_rows(qo_indptr, cur_batch, L_EXT)
     dv_ok = offs_dv < V_HEAD_DIM
 
     # (a) the prefix: merge the splits by their log-sum-exp, one split at a time (few registers at any head size)
@@ -223,6 +225,14 @@ class SplitKvVerify:
         if not self.can_handle(q, k, v, k_buffer, v_buffer, qo_indptr, is_causal, max_len_extend,
                                sliding_window_size, sinks, logit_cap, xai_temperature_len):
             return False
+        self.launch(q, k, v, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
+                    max_len_extend, k_scale, v_scale, sm_scale)
+        self.launches += 1
+        return True
+
+    def launch(self, q, k, v, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
+               max_len_extend, k_scale=1.0, v_scale=1.0, sm_scale=None) -> None:
+        """The two kernels, on a verify `can_handle` accepted."""
         bs, h_q, d, dv = qo_indptr.shape[0] - 1, q.shape[1], q.shape[2], v.shape[2]
         kv_group = h_q // k.shape[1]
         rows = rows_padded(int(max_len_extend))
@@ -251,8 +261,6 @@ class SplitKvVerify:
             kv_group_num=kv_group, N_SPLITS=splits, L_EXT=rows, HEAD_DIM=d, V_HEAD_DIM=dv, BLOCK_DMODEL=block_d,
             BLOCK_DV=block_dv, USE_MASK=use_mask, num_warps=NUM_WARPS, num_stages=1,
         )
-        self.launches += 1
-        return True
 
 
 def _as_float(x) -> float:
@@ -306,11 +314,13 @@ def self_check(kernel: SplitKvVerify, h_kv: int, head_dim: int, dtype, device, r
     mask = torch.cat(rows).to(device)
     mask_indptr = torch.zeros(bs + 1, dtype=torch.int64)
     mask_indptr[1:] = torch.cumsum(width * (lens + width), 0)
-    args = (k_buffer, v_buffer, qo_indptr.to(device), kv_indptr.to(device), kv_indices, mask, True,
-            mask_indptr.to(device), width, 1.0, 1.0, 1.0 / head_dim ** 0.5)
+    qo_indptr, kv_indptr, mask_indptr = qo_indptr.to(device), kv_indptr.to(device), mask_indptr.to(device)
+    if not kernel.can_handle(q, k, v, k_buffer, v_buffer, qo_indptr, True, width, -1, None, 0.0, -1):
+        raise RuntimeError("the split-KV kernel declines its own check")
     ours, theirs = torch.empty_like(q), torch.empty_like(q)
-    if not kernel(q, k, v, ours, *args):
-        raise RuntimeError("the split-KV kernel declined its own check")
-    kernel.launches -= 1
-    reference(q, k, v, theirs, *args)
+    scale = 1.0 / head_dim ** 0.5
+    kernel.launch(q, k, v, ours, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, mask, mask_indptr, width,
+                  sm_scale=scale)
+    reference(q, k, v, theirs, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, mask, True, mask_indptr, width,
+              1.0, 1.0, scale)
     return float((ours.float() - theirs.float()).abs().max())
