@@ -397,13 +397,13 @@ def kernel_window(engine, path: str, prompts: list, sampling: dict, conc: int, w
     if os.path.exists(path):
         os.remove(path)
     open(path + ".start", "w").close()
-    if conc == 1:
-        for prompt in prompts[:4]:  # one at a time, as the set: a window of up to 4 requests' steps
-            engine.generate(prompt, sampling)
-            if os.path.exists(path):
-                break
-    else:
-        engine.generate(prompts[:conc], sampling)
+    # one request at a time at c1, as the set; at c>1 the set's batch, again while the window is open (the pass's
+    # prompts were warm-up prompts, so the cache knows their outputs and drafts them whole: few steps per pass)
+    batches = [[prompt] for prompt in prompts[:4]] if conc == 1 else [prompts[:conc]] * 4
+    for batch in batches:
+        engine.generate(batch if conc > 1 else batch[0], sampling)
+        if os.path.exists(path):
+            break
     t = time.time()
     while not os.path.exists(path) and time.time() - t < wait_s:
         time.sleep(0.1)

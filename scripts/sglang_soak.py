@@ -713,6 +713,13 @@ class Soak:
     def left(self) -> float:
         return self.hard_end - time.time()
 
+    def load_end(self, load_start: float) -> float:
+        """When the load stops: --minutes after the server's start-up, or earlier, so that the drain, the checks and
+        the bad requests fit before the hard end (with --load-from-ready the hard end moves instead)."""
+        if self.a.load_from_ready:
+            self.hard_end = max(self.hard_end, load_start + self.load_s + 110.0)
+        return min(load_start + self.load_s, self.hard_end - 110.0)
+
     def budget(self, cap: float, reserve: float) -> float:
         """A timeout of at most `cap` s that leaves `reserve` s before the hard end (at least 1 s)."""
         return max(1.0, min(cap, self.left() - reserve))
@@ -1100,7 +1107,7 @@ class Soak:
                 res["fatal"] = "the server did not start"
                 return res
             load_start = time.time()
-            load_end = min(load_start + self.load_s, self.hard_end - 110.0)
+            load_end = self.load_end(load_start)
             res["load_window"] = [round(load_start - self.t0, 2), round(load_end - self.t0, 2)]
             threads = [threading.Thread(target=self.client_loop, args=(load_end,), daemon=True)
                        for _ in range(a.clients)]
@@ -1406,7 +1413,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", nargs=2, metavar=("A_SOAK_JSON", "CONTROL_SOAK_JSON"))
     p.add_argument("--model", help="model folder (Hugging Face layout)")
     p.add_argument("--algorithm", default="NGRAM_ADAPTIVE", choices=["plain", "NGRAM_ADAPTIVE", "NGRAM"])
-    p.add_argument("--minutes", type=float, default=10.0, help="minutes of load (the run takes under minutes + 3)")
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="minutes of load (the run takes under minutes + 3; with --load-from-ready, its start-up + "
+                        "minutes + 2)")
+    p.add_argument("--load-from-ready", action="store_true",
+                   help="--minutes of load counted from the server's first start-up, not from this run's start (a "
+                        "slow start-up, e.g. beside other servers, then lengthens the run instead of the load)")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--out", help="folder for soak.json, the server logs and bench_serving's files")
     p.add_argument("--dtype", default="float16")

@@ -873,3 +873,14 @@ if __name__ == "__main__":
         run_stub_server(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "--stub-bench":
         run_stub_bench(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+
+
+def test_load_from_ready_gives_the_whole_load_after_a_slow_start_up(soak, tmp_path):
+    """A 10-minute soak beside other servers started in 149 s and got 500 s of load: by default the run's hard end
+    is fixed from its start (so it fits a call); --load-from-ready moves the hard end instead of cutting the load."""
+    for flag, expected in (([], 8.0 * 60 + 160.0 - 110.0 - 149.0), (["--load-from-ready"], 8.0 * 60)):
+        a = soak.build_parser().parse_args(["--model", "/m", "--out", str(tmp_path), "--minutes", "8", *flag])
+        run = soak.Soak(a)
+        load_start = run.t0 + 149.0
+        assert run.load_end(load_start) - load_start == pytest.approx(expected)
+        assert run.hard_end - run.load_end(load_start) >= 110.0  # the drain, checks and bad requests still fit

@@ -21,12 +21,13 @@ from typing import Callable, Iterable, Optional
 
 logger = logging.getLogger(__name__)
 
-# first match wins; names lowercased (cuBLAS/CUTLASS/nvjet GEMMs, SGLang's Triton attention kernels, ...)
+# first match wins; names lowercased (cuBLAS/CUTLASS/nvjet GEMMs, SGLang's Triton attention kernels, ...); norms
+# first: FlashInfer's norm kernels carry "flashinfer" in their names
 CATEGORIES = (
+    ("norm", re.compile(r"norm")),
     ("attention", re.compile(r"attn|attention|flash|_fwd_kernel|_fwd_grouped_kernel|decode_kernel|extend_kernel"
                              r"|kv_indices")),
     ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|xmma|nvjet|splitk|matmul|\bmm\b")),
-    ("norm", re.compile(r"norm")),
     ("rope", re.compile(r"rotary|rope")),
     ("activation", re.compile(r"act_and_mul|silu|gelu|swiglu")),
     ("sampling", re.compile(r"argmax|softmax|sort|topk|top_k|sampl|multinomial|verify|tree")),
@@ -72,13 +73,24 @@ def _torch_profiler():
     return torch.profiler.profile(activities=activities)
 
 
+# SGLang's own `record_function` ranges ("scheduler.run_batch", "step[VERIFY bs=1]"): the profiler mirrors each on
+# the device as a span over the kernels inside it, which is not a kernel (torch flags them `is_user_annotation`; the
+# names are the fallback for a torch without the flag)
+ANNOTATION = re.compile(r"^(scheduler\.|step\[|ProfilerStep#)")
+
+
+def is_annotation(evt) -> bool:
+    return bool(getattr(evt, "is_user_annotation", False)) or bool(ANNOTATION.match(evt.name))
+
+
 def _device_kernels(prof) -> list[tuple[str, float]]:
-    """(name, device µs) of every kernel the profiler saw (events on the device, not the host's ops)."""
+    """(name, device µs) of every kernel the profiler saw: events on the device, not the host's ops nor the device
+    spans of annotated ranges (counted, they would add each step's time again)."""
     from torch.autograd import DeviceType
 
     out = []
     for evt in prof.events():
-        if evt.device_type != DeviceType.CPU:
+        if evt.device_type != DeviceType.CPU and not is_annotation(evt):
             out.append((evt.name, evt.time_range.elapsed_us()))
     return out
 

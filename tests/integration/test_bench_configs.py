@@ -83,13 +83,13 @@ def test_the_kernel_window_is_read_back_after_an_untimed_pass(configs, tmp_path)
     bench = sys.modules["sglang_engine_bench_configs"]
     path = str(tmp_path / "kernels.json")
 
-    class Worker:  # what the scheduler's worker does with the files, at the first generate after the start file
-        def __init__(self, writes):
-            self.writes, self.calls = writes, 0
+    class Worker:  # what the scheduler's worker does with the files, at the `after`-th generate after the start file
+        def __init__(self, writes, after=1):
+            self.writes, self.calls, self.after = writes, 0, after
 
         def generate(self, prompts, sampling):
             self.calls += 1
-            if self.writes and Path(path + ".start").exists():
+            if self.writes and self.calls >= self.after and Path(path + ".start").exists():
                 Path(path).write_text(json.dumps({"steps": 32, "gpu_ms_per_step": 7.5}))
                 Path(path + ".start").unlink()
 
@@ -101,6 +101,9 @@ def test_the_kernel_window_is_read_back_after_an_untimed_pass(configs, tmp_path)
     assert "error" in out and engine.calls == 4 and not Path(path + ".start").exists() and not Path(path).exists()
     engine = Worker(True)
     assert bench.kernel_window(engine, path, ["a"] * 16, {}, 16)["steps"] == 32 and engine.calls == 1
+    # a batch whose drafts are accepted whole ends before the window: the batch again, until the window is written
+    engine = Worker(True, after=3)
+    assert bench.kernel_window(engine, path, ["a"] * 16, {}, 16)["steps"] == 32 and engine.calls == 3
 
 
 class WordTokenizer:

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from ngramspec_sglang.kernel_profile import KernelProfile, category, summarize  # noqa: E402
+from ngramspec_sglang.kernel_profile import KernelProfile, _device_kernels, category, summarize  # noqa: E402
 
 
 @pytest.mark.parametrize("name, cat", [
@@ -16,6 +16,7 @@ from ngramspec_sglang.kernel_profile import KernelProfile, category, summarize  
     ("_fwd_grouped_kernel_stage1", "attention"),
     ("create_flashinfer_kv_indices_triton", "attention"),
     ("rmsnorm_kernel", "norm"),
+    ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __half>(__half*, __half*)", "norm"),
     ("rotary_embedding_kernel", "rope"),
     ("act_and_mul_kernel", "activation"),
     ("verify_tree_greedy", "sampling"),
@@ -32,6 +33,46 @@ def test_the_summary_is_per_step_and_adds_up():
     assert s["gpu_ms_per_step"] == pytest.approx(1.3)
     assert s["by_category_ms_per_step"] == {"gemm": 1.0, "attention": 0.25, "other": 0.05}
     assert s["kernels"][0] == {"name": "gemm_a", "category": "gemm", "ms_per_step": 1.0, "launches_per_step": 1.0}
+
+
+class _Range:
+    def __init__(self, us):
+        self.us = us
+
+    def elapsed_us(self):
+        return self.us
+
+
+class _Event:
+    def __init__(self, name, device, us, annotation=None):
+        from torch.autograd import DeviceType
+
+        self.name, self.time_range = name, _Range(us)
+        self.device_type = DeviceType.CUDA if device else DeviceType.CPU
+        if annotation is not None:
+            self.is_user_annotation = annotation
+
+
+class _Events:
+    def __init__(self, events):
+        self._events = events
+
+    def events(self):
+        return self._events
+
+
+def test_only_kernels_count_not_the_host_ops_nor_the_device_spans_of_annotated_ranges():
+    """A GPU run counted SGLang's `record_function` spans ("scheduler.run_batch", "step[VERIFY bs=1]") as kernels:
+    the step's time again on top of its kernels."""
+    prof = _Events([
+        _Event("nvjet_sm90_hsh_512x16_64x3_2x1_v_bz_TNT", True, 110.0),
+        _Event("_fwd_kernel", True, 20.0),
+        _Event("aten::mm", False, 30.0),  # host op
+        _Event("scheduler.run_batch", True, 900.0, annotation=True),  # flagged by torch
+        _Event("step[VERIFY bs=1]", True, 500.0),  # a torch without the flag: known by its name
+        _Event("scheduler.process_batch_result", True, 40.0, annotation=False),
+    ])
+    assert _device_kernels(prof) == [("nvjet_sm90_hsh_512x16_64x3_2x1_v_bz_TNT", 110.0), ("_fwd_kernel", 20.0)]
 
 
 class FakeProfiler:
