@@ -31,8 +31,10 @@ repetition: output copies much of the prompt) and `free` (open questions and cre
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -467,24 +469,42 @@ def first_difference(a, b) -> int | None:
     return min(len(a), len(b))
 
 
-def run_child(script: str, name: str, timeout: float, logs: str | None) -> dict:
-    """Run ``script --one NAME`` (this process's arguments passed on) in a child process and return the JSON it
-    prints after ``RESULT ``, or an error with the tail of its stderr; ``wall_s`` added. Its stderr goes to
-    LOGS/NAME.log when ``logs`` is given."""
+def run_child(script: str, name: str, timeout: float, logs: str | None, grace: float = 5.0) -> dict:
+    """Run ``script --one NAME`` (this process's arguments passed on) in a child process (its own process group,
+    with the engine's processes) and return the JSON it prints after ``RESULT ``, or an error with the tail of its
+    stderr; ``wall_s`` added. Its stderr goes to LOGS/NAME.log when ``logs`` is given. At the timeout the group gets
+    SIGUSR1 first: the processes that registered it (the child; with NGRAMSPEC_STACKS_ON_SIGUSR1, which this sets,
+    NGRAM_ADAPTIVE's scheduler) print every thread's stack to stderr, so a hang shows where; then it is killed."""
     cmd = [sys.executable, os.path.abspath(script), "--one", name] + sys.argv[1:]
+    env = dict(os.environ, NGRAMSPEC_STACKS_ON_SIGUSR1="1")
     t = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    timed_out = False
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        if logs:
-            os.makedirs(logs, exist_ok=True)
-            with open(os.path.join(logs, f"{name}.log"), "w") as f:
-                f.write(proc.stderr[-400_000:])
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        res = json.loads(line[-1][7:]) if line else {"config": name, "error": f"rc={proc.returncode}",
-                                                      "stderr_tail": proc.stderr[-6000:]}
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        for sig, wait in ((signal.SIGUSR1, grace), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                out, err = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    if logs:
+        os.makedirs(logs, exist_ok=True)
+        with open(os.path.join(logs, f"{name}.log"), "w") as f:
+            f.write(err[-400_000:])
+    if timed_out:
         res = {"config": name, "error": f"timeout {int(timeout)}s", "stderr_tail": err[-6000:]}
+    else:
+        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        res = json.loads(line[-1][7:]) if line else {"config": name, "error": f"rc={proc.returncode}",
+                                                      "stderr_tail": err[-6000:]}
     res["wall_s"] = round(time.time() - t, 1)
     return res
 
@@ -526,6 +546,7 @@ def main() -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.one:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_child's timeout: where it hangs
         print("RESULT " + json.dumps(run_one(a.one, a)), flush=True)
         return 0
     results = {}

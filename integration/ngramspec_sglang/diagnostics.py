@@ -1,16 +1,27 @@
-"""Diagnostics of `NgramAdaptiveWorker`, both off by default: `HostProfile` (NGRAMSPEC_PROFILE=FILE, host
-seconds per decode step by phase) and `DraftLog` (NGRAMSPEC_DRAFT_LOG=PREFIX, a CRC32 per step of what each TP
-rank verified)."""
+"""Diagnostics of `NgramAdaptiveWorker`, all off by default: `HostProfile` (NGRAMSPEC_PROFILE=FILE, host
+seconds per decode step by phase), `DraftLog` (NGRAMSPEC_DRAFT_LOG=PREFIX, a CRC32 per step of what each TP
+rank verified) and `stacks_on_sigusr1` (NGRAMSPEC_STACKS_ON_SIGUSR1=1: every thread's stack on SIGUSR1)."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import zlib
 from collections import deque
 
 import numpy as np
 
 from .sched_profile import dump_periodically
+
+
+def stacks_on_sigusr1() -> bool:
+    """With NGRAMSPEC_STACKS_ON_SIGUSR1=1, SIGUSR1 makes this process print every thread's Python stack to stderr
+    and run on (`faulthandler`): where a scheduler that stopped answering waits. Returns whether it registered."""
+    if os.environ.get("NGRAMSPEC_STACKS_ON_SIGUSR1") != "1" or not hasattr(signal, "SIGUSR1"):
+        return False
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    return True
 
 
 class HostProfile:

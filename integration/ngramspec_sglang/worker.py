@@ -48,7 +48,7 @@ from sglang.srt.utils import is_cpu
 
 from .backoff import PlanBackoff, plain_forwards
 from .config import resolve_config
-from .diagnostics import DraftLog, HostProfile
+from .diagnostics import DraftLog, HostProfile, stacks_on_sigusr1
 from .drafting import DraftPlanner
 from .host_seq_lens import set_cpu_seq_lens_need
 from .kernel_profile import KernelProfile
@@ -73,6 +73,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
     def __init__(self, server_args, gpu_id: int, nccl_port: int, target_worker):
         # NGRAMWorker.__init__ would build SGLang's C++ corpus; we set its fields ourselves.
         BaseSpecWorker.__init__(self)
+        stacks_on_sigusr1()  # NGRAMSPEC_STACKS_ON_SIGUSR1: where a hung scheduler waits (diagnostics.py)
         install_sampling_fallback(logger)  # sampled verify without flashinfer (sampling_fallback.py)
         self.server_args = server_args
         self.enable_overlap = not get_schedule().disable_overlap_schedule

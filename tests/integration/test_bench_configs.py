@@ -123,3 +123,57 @@ def test_the_preamble_has_the_asked_length_and_is_the_same_every_time(configs):
         text = bench.preamble_text(tok, n)
         assert len(tok(text)["input_ids"]) == n and text == bench.preamble_text(tok, n)
     assert "file: ngramspec/cache.py" in bench.preamble_text(tok, 200)
+
+
+HANGING_CHILD = '''
+import faulthandler, signal, subprocess, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(grandchild.pid, file=sys.stderr, flush=True)
+
+def waiting_here():
+    time.sleep(600)
+
+waiting_here()
+'''
+
+
+def test_a_configuration_past_its_timeout_leaves_its_stacks_and_no_process(configs, tmp_path):
+    """A configuration that outlived its limit on the GPU left only capture progress bars: whether it hung or ran
+    slowly was unknown. Now the stacks of the processes that registered SIGUSR1 come back, the log is written, and
+    the whole process group (the engine's processes too) is killed."""
+    import time
+
+    bench = sys.modules["sglang_engine_bench_configs"]
+    script = tmp_path / "hang.py"
+    script.write_text(HANGING_CHILD)
+    logs = tmp_path / "logs"
+    t = time.time()
+    res = bench.run_child(str(script), "hang", timeout=3, logs=str(logs), grace=2)
+    assert res["error"] == "timeout 3s" and time.time() - t < 30
+    assert "waiting_here" in res["stderr_tail"]  # where it was
+    log = (logs / "hang.log").read_text()
+    assert "waiting_here" in log
+    grandchild = int(log.splitlines()[0])
+    def alive(pid):  # a zombie is dead: whether init reaps it soon depends on the container
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    for _ in range(50):  # the group's SIGKILL reaches the grandchild too
+        if not alive(grandchild):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the grandchild outlived the timeout")
+
+
+def test_a_finished_configuration_is_read_from_its_result_line(configs, tmp_path):
+    bench = sys.modules["sglang_engine_bench_configs"]
+    script = tmp_path / "ok.py"
+    script.write_text('import sys\nprint("noise")\nprint("RESULT {\\"tok_s\\": 1.5}")\nprint("x", file=sys.stderr)\n')
+    res = bench.run_child(str(script), "ok", timeout=30, logs=str(tmp_path / "logs"))
+    assert res["tok_s"] == 1.5 and "wall_s" in res
+    assert (tmp_path / "logs" / "ok.log").read_text() == "x\n"

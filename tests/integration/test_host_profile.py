@@ -97,3 +97,29 @@ def test_draft_tokens_by_source_survive_interval_resets_and_reach_the_bench(tmp_
     assert diag_delta(before, after)["sources"] == {
         "drafted_ngram_per_request": 5.0, "drafted_recycled_per_request": 0.0,
         "accepted_ngram_per_request": 2.5, "accepted_recycled_per_request": 0.0}
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_process_runs_on(tmp_path):
+    """NGRAMSPEC_STACKS_ON_SIGUSR1=1 (the engine bench sets it): a scheduler that stops answering shows where it
+    waits; without the variable SIGUSR1 keeps its default (the process ends)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys\n"
+            "from ngramspec_sglang.diagnostics import stacks_on_sigusr1\n"
+            "print(stacks_on_sigusr1(), flush=True)\n"
+            "def marker_frame():\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "marker_frame()\n"
+            "print('ran on', flush=True)\n")
+    for value, registered in (("1", True), (None, False)):
+        env = {k: v for k, v in os.environ.items() if k != "NGRAMSPEC_STACKS_ON_SIGUSR1"}
+        if value:
+            env["NGRAMSPEC_STACKS_ON_SIGUSR1"] = value
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.stdout.startswith(str(registered))
+        if registered:
+            assert "ran on" in proc.stdout and "marker_frame" in proc.stderr and proc.returncode == 0
+        else:
+            assert "ran on" not in proc.stdout and proc.returncode != 0
