@@ -111,6 +111,27 @@ class DeviceHistory:
         drafts = torch.where(known, drafts, last.view(bs, 1).expand(bs, k))
         return drafts, found
 
+    def warm_up(self, widths, max_bs: int) -> None:
+        """Run every kernel of `append` and `propose` once per batch size's power of two up to ``max_bs`` and every
+        draft length, and build the chain masks of ``widths``, before serving, so that no served step pays for
+        loading them (the controller would read that as the cost of the step's width). Row 0 is used and zeroed
+        again."""
+        widths = sorted({int(w) for w in widths if int(w) > 1})
+        bs = 1
+        while True:
+            rows = torch.zeros(bs, dtype=torch.int64, device=self.device)
+            seq = torch.full((bs,), min(8, self.max_len - 2), dtype=torch.int64, device=self.device)
+            for w in widths or [2]:
+                tokens = torch.ones(bs * w, dtype=torch.int32, device=self.device)
+                self.append(rows, seq, tokens, torch.full((bs,), w, dtype=torch.int32, device=self.device))
+                self.propose(rows, seq, w - 1)
+            if bs >= max_bs:
+                break
+            bs = min(2 * bs, max_bs)
+        for w in widths:
+            self.chain_mask(w)
+        self.tokens[0].zero_()
+
     def chain_mask(self, width: int) -> torch.Tensor:
         """A chain's tree mask, ``[width, width]`` flat (bool): each node sees itself and the nodes before it."""
         mask = self._chain.get(width)

@@ -50,6 +50,8 @@ class WorkerStartup:
         if self.config.device_drafts and not _is_cpu:  # device drafts: a token row per request slot
             rows, row_len = self.req_to_token_pool.req_to_token.shape
             self._history = DeviceHistory(rows, row_len, self.device)
+            self._history.warm_up(self.config.widths,  # device drafts run only in batches that may draft
+                                  min(self.config.draft_max_batch or self.max_batch_size, self.max_batch_size))
             logger.info("NGRAM_ADAPTIVE: device drafts on, up to %d step(s) in a row; token table %.1f MB",
                         self.config.device_drafts, self._history.nbytes / 2**20)
 

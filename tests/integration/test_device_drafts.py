@@ -69,3 +69,18 @@ def test_chain_mask_and_bad_sizes():
         DeviceHistory(0, 10, "cpu")
     with pytest.raises(ValueError):
         DeviceHistory(1, 10, "cpu", max_n=1, min_n=2)
+
+
+def test_warm_up_runs_every_kernel_and_leaves_the_table_as_it_was():
+    """Start-up runs `append` and `propose` at every batch size's power of two and every draft length (so no served
+    step pays for loading them) and builds the chain masks; the table is left all zeros."""
+    h = DeviceHistory(4, 64, "cpu", window=32)
+    calls = []
+    append, propose = h.append, h.propose
+    h.append = lambda rows, *a: (calls.append(("append", rows.numel())), append(rows, *a))
+    h.propose = lambda rows, seq, k: (calls.append(("propose", rows.numel(), k)), propose(rows, seq, k))[1]
+    h.warm_up([1, 2, 4, 8], max_bs=5)
+    assert {c[1] for c in calls} == {1, 2, 4, 5}
+    assert {c[2] for c in calls if c[0] == "propose"} == {1, 3, 7}
+    assert set(h._chain) == {2, 4, 8}
+    assert int(h.tokens.abs().sum()) == 0
