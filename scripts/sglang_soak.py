@@ -607,8 +607,8 @@ def port_answers(port: int) -> bool:
 class Server:
     """One `sglang.launch_server` (or a stand-in command), in its own process group, log to a file."""
 
-    def __init__(self, cmd: list[str], port: int, out: str):
-        self.cmd, self.port, self.out = cmd, port, out
+    def __init__(self, cmd: list[str], port: int, out: str, mem_trace: bool = False):
+        self.cmd, self.port, self.out, self.mem_trace = cmd, port, out, mem_trace
         self.proc: subprocess.Popen | None = None
         self.instance = -1
         self.log_path = ""
@@ -618,7 +618,14 @@ class Server:
         self.instance += 1
         self.log_path = os.path.join(self.out, f"server_{self.instance}.log")
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = dict(os.environ)
+        if self.mem_trace:  # NGRAM_ADAPTIVE's scheduler writes where its memory grows (diagnostics.MemTrace)
+            env["NGRAMSPEC_MEM_TRACE"] = self.mem_trace_path(self.instance)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=env)
+
+    def mem_trace_path(self, instance: int) -> str:
+        return os.path.join(self.out, f"mem_trace_{instance}.json")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -704,7 +711,7 @@ class Soak:
         self.disconnect_rate = 0.0  # extra disconnecting streams per second (a share of bench_serving's rate)
         self.streams = Counter()  # ours: sent, disconnected
         self.context_len, self.vocab = model_limits(a.model)
-        self.server = Server(self.server_cmd(), a.port, a.out)
+        self.server = Server(self.server_cmd(), a.port, a.out, mem_trace=a.mem_trace)
         self.result: dict = {"args": {k: v for k, v in vars(a).items()}, "algorithm": a.algorithm}
 
     def now(self) -> float:
@@ -1191,6 +1198,15 @@ class Soak:
                                                                   for w in self.restart_windows],
                        instances=list(self.instances), benches=list(self.benches), streams=dict(self.streams))
         res["logs"] = {inst["log"]: scan_log(os.path.join(self.a.out, inst["log"])) for inst in self.instances}
+        if self.a.mem_trace:
+            res["mem_trace"] = {}
+            for inst in self.instances:
+                path = self.server.mem_trace_path(inst["instance"])
+                try:
+                    with open(path) as f:
+                        res["mem_trace"][str(inst["instance"])] = json.load(f)
+                except (OSError, ValueError):
+                    pass
         res["wall_s"] = self.now()
         res["checks"] = evaluate(res, self.a.rss_slope_limit, self.a.tie_margin)
         with open(os.path.join(self.a.out, "soak.json"), "w") as f:
@@ -1347,6 +1363,21 @@ def evaluate(res: dict, rss_limit: float = 10.0, tie_margin: float = 0.05) -> di
     return checks
 
 
+def mem_trace_lines(traces: dict, top: int = 3) -> list[str]:
+    """Per server instance with a memory trace: RSS and traced Python heap from its first snapshot to its last, and
+    the sites that grew most."""
+    lines = []
+    for inst, trace in sorted(traces.items()):
+        snaps = trace.get("snapshots") or []
+        if not snaps:
+            continue
+        a, b = snaps[0], snaps[-1]
+        lines.append(f"memory trace, instance {inst}: {len(snaps)} snapshots over {b['t_s'] - a['t_s']:.0f} s, RSS "
+                     f"{a['rss_mb']} -> {b['rss_mb']} MB, traced Python heap {a['traced_mb']} -> {b['traced_mb']} MB")
+        lines += [f"  grew {g['mb']:+.2f} MB ({g['count']:+d} blocks) at {g['site']}" for g in b.get("grew", [])[:top]]
+    return lines
+
+
 def print_table(res: dict) -> bool:
     checks = res["checks"]
     print(f"\nsoak {res.get('algorithm')}: {res.get('wall_s')} s, load window {res.get('load_window')}, "
@@ -1360,6 +1391,8 @@ def print_table(res: dict) -> bool:
               f"{w['slope_mb_per_min']} MB/min over {w['points']} samples")
     for log, counts in res.get("logs", {}).items():
         print(f"  {log}: {json.dumps(counts) if counts else 'none of ' + json.dumps(LOG_PATTERNS)}")
+    for line in mem_trace_lines(res.get("mem_trace") or {}):
+        print("  " + line)
     for b in res.get("benches", []):
         print(f"  bench {b['rate']:>3} req/s: {b['num_prompts']} prompts, completed {b.get('completed')}, "
               f"failed {b.get('failed')}, cut {bool(b.get('cut'))}, accept length {b.get('accept_length')}")
@@ -1416,6 +1449,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=10.0,
                    help="minutes of load (the run takes under minutes + 3; with --load-from-ready, its start-up + "
                         "minutes + 2)")
+    p.add_argument("--mem-trace", action="store_true",
+                   help="NGRAM_ADAPTIVE's scheduler records where its Python memory grows (NGRAMSPEC_MEM_TRACE, a "
+                        "snapshot every 30 s into --out/mem_trace_N.json, summed up in soak.json): for diagnosis, "
+                        "it slows the scheduler's Python allocations")
     p.add_argument("--load-from-ready", action="store_true",
                    help="--minutes of load counted from the server's first start-up, not from this run's start (a "
                         "slow start-up, e.g. beside other servers, then lengthens the run instead of the load)")

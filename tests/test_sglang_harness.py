@@ -42,6 +42,9 @@ def run_stub_server(port: int, out: str) -> None:
     else:
         print(f"NGRAM_ADAPTIVE: no controller state at {state_file} yet, starting cold", flush=True)
     threading.Timer(0.5, lambda: Path(state_file).write_bytes(b"state")).start()
+    if os.environ.get("NGRAMSPEC_MEM_TRACE"):  # --mem-trace: as the plugin's MemTrace writes it
+        Path(os.environ["NGRAMSPEC_MEM_TRACE"]).write_text(json.dumps({"every_s": 30.0, "snapshots": [
+            {"t_s": 30.0, "rss_mb": 100.0, "traced_mb": 1.0, "grew": []}]}))
 
     watch = "import os, time\np = os.getppid()\nwhile os.getppid() == p:\n    time.sleep(0.2)\n"
     subprocess.Popen([sys.executable, "-c", watch, "sglang::scheduler_TP0"])
@@ -785,7 +788,7 @@ def test_soak_end_to_end_against_a_stub_server(tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "sglang_soak.py"), "--model", str(model), "--out", str(out),
            "--algorithm", "NGRAM_ADAPTIVE", "--minutes", "0.1", "--port", str(free_port()), "--clients", "3",
            "--sample-every", "0.5", "--flush-every", "1", "--segment-grace", "1", "--bench-startup", "0",
-           "--idle-wait", "2", "--request-timeout", "10", "--disconnect-share", "0.5",
+           "--idle-wait", "2", "--request-timeout", "10", "--disconnect-share", "0.5", "--mem-trace",
            "--server-cmd", json.dumps([sys.executable, me, "--stub-server", "{port}", "{out}"]),
            "--bench-cmd", json.dumps([sys.executable, me, "--stub-bench", "{port}", "{num_prompts}",
                                       "{output_file}"])]
@@ -809,6 +812,7 @@ def test_soak_end_to_end_against_a_stub_server(tmp_path):
     assert {r["case"]: r["status"] for r in res["bad_requests"]}["oov_large"] == 400
     assert json.loads((out / "adaptive_config.json").read_text())["state_file"].endswith("controller_state.npz")
     assert "all checks passed" in proc.stdout
+    assert sorted(res["mem_trace"]) == ["0", "1"] and "memory trace, instance 1" in proc.stdout  # per instance
 
 
 def test_http_bench_prompts_never_repeat_at_the_default_size():
@@ -868,12 +872,6 @@ def test_http_bench_against_a_stub_server(tmp_path):
     assert proc.returncode == 2 and "unknown config 'eagle'" in proc.stderr and "Traceback" not in proc.stderr
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "--stub-server":
-        run_stub_server(int(sys.argv[2]), sys.argv[3])
-    elif sys.argv[1] == "--stub-bench":
-        run_stub_bench(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
-
 
 def test_load_from_ready_gives_the_whole_load_after_a_slow_start_up(soak, tmp_path):
     """A 10-minute soak beside other servers started in 149 s and got 500 s of load: by default the run's hard end
@@ -884,3 +882,20 @@ def test_load_from_ready_gives_the_whole_load_after_a_slow_start_up(soak, tmp_pa
         load_start = run.t0 + 149.0
         assert run.load_end(load_start) - load_start == pytest.approx(expected)
         assert run.hard_end - run.load_end(load_start) >= 110.0  # the drain, checks and bad requests still fit
+
+
+def test_the_memory_trace_is_summed_up_per_instance(soak):
+    trace = {"snapshots": [{"t_s": 30.0, "rss_mb": 3900.0, "traced_mb": 210.5, "grew": []},
+                           {"t_s": 330.0, "rss_mb": 4055.0, "traced_mb": 212.0,
+                            "grew": [{"site": "sglang/x.py:12", "mb": 1.25, "count": 300},
+                                     {"site": "ngramspec_sglang/y.py:3", "mb": 0.2, "count": -4}]}]}
+    lines = soak.mem_trace_lines({"0": trace, "1": {"snapshots": []}}, top=1)
+    assert lines == ["memory trace, instance 0: 2 snapshots over 300 s, RSS 3900.0 -> 4055.0 MB, traced Python heap "
+                     "210.5 -> 212.0 MB", "  grew +1.25 MB (+300 blocks) at sglang/x.py:12"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--stub-server":
+        run_stub_server(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "--stub-bench":
+        run_stub_bench(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,12 +1,15 @@
 """Diagnostics of `NgramAdaptiveWorker`, all off by default: `HostProfile` (NGRAMSPEC_PROFILE=FILE, host
 seconds per decode step by phase), `DraftLog` (NGRAMSPEC_DRAFT_LOG=PREFIX, a CRC32 per step of what each TP
-rank verified) and `stacks_on_sigusr1` (NGRAMSPEC_STACKS_ON_SIGUSR1=1: every thread's stack on SIGUSR1)."""
+rank verified), `MemTrace` (NGRAMSPEC_MEM_TRACE=FILE, where the scheduler's memory grows) and `stacks_on_sigusr1`
+(NGRAMSPEC_STACKS_ON_SIGUSR1=1: every thread's stack on SIGUSR1)."""
 from __future__ import annotations
 
 import faulthandler
 import json
 import os
 import signal
+import time
+import tracemalloc
 import zlib
 from collections import deque
 
@@ -203,3 +206,64 @@ class DraftLog:
         mask = np.ascontiguousarray(plan.mask, dtype=np.bool_)
         crc = zlib.crc32(mask.tobytes(), zlib.crc32(tokens.tobytes()))
         self.file.write(f"{plan.width} {tokens.shape[0]} {crc:08x}\n")
+
+
+class MemTrace:
+    """Where the scheduler's memory grows (NGRAMSPEC_MEM_TRACE=FILE, rank 0; for diagnosis, off by default).
+
+    `tracemalloc` records the Python allocations from the worker's start on (`frames` deep); the first snapshot is
+    taken at the first decode step after ``warm_s`` seconds, then every ``every_s`` seconds
+    (NGRAMSPEC_MEM_TRACE_SECONDS, default 30) a decode step takes another and rewrites FILE (JSON): per snapshot the
+    time, the process's RSS and the traced Python heap, and the allocation sites that grew most since the first
+    snapshot (file:line, MB, count).
+    RSS growing while the traced heap stays flat points below Python (torch, numba, CUDA's host allocations). A
+    snapshot stalls the step that takes it (about a second in a server), and tracing slows Python allocations:
+    not for timed runs."""
+
+    def __init__(self, path: str, every_s: float = 30.0, warm_s: float = 30.0, frames: int = 8, top: int = 25,
+                 clock=time.monotonic):
+        self.path, self.every_s, self.warm_s, self.top = path, float(every_s), float(warm_s), int(top)
+        self._clock = clock
+        self._t0 = clock()
+        self._next = self._t0 + self.warm_s
+        self._first = None
+        self.rows: list[dict] = []
+        if not tracemalloc.is_tracing():
+            tracemalloc.start(int(frames))
+
+    @classmethod
+    def from_env(cls, rank: int):
+        path = os.environ.get("NGRAMSPEC_MEM_TRACE")
+        if not path or rank != 0:
+            return None
+        return cls(path, every_s=float(os.environ.get("NGRAMSPEC_MEM_TRACE_SECONDS", "30")))
+
+    def tick(self) -> None:
+        """Call once per decode step: a snapshot when one is due."""
+        now = self._clock()
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        snap = tracemalloc.take_snapshot().filter_traces((tracemalloc.Filter(False, tracemalloc.__file__),))
+        row = {"t_s": round(now - self._t0, 1), "rss_mb": round(_rss_mb(), 1),
+               "traced_mb": round(sum(s.size for s in snap.statistics("filename")) / 2**20, 2)}
+        if self._first is None:
+            self._first = snap
+            row["grew"] = []
+        else:
+            grew = [d for d in snap.compare_to(self._first, "lineno") if d.size_diff > 0][:self.top]
+            row["grew"] = [{"site": f"{d.traceback[0].filename}:{d.traceback[0].lineno}",
+                            "mb": round(d.size_diff / 2**20, 3), "count": d.count_diff} for d in grew]
+        self.rows.append(row)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"every_s": self.every_s, "snapshots": self.rows}, f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return float("nan")

@@ -48,7 +48,7 @@ from sglang.srt.utils import is_cpu
 
 from .backoff import PlanBackoff, plain_forwards
 from .config import resolve_config
-from .diagnostics import DraftLog, HostProfile, stacks_on_sigusr1
+from .diagnostics import DraftLog, HostProfile, MemTrace, stacks_on_sigusr1
 from .drafting import DraftPlanner
 from .host_seq_lens import set_cpu_seq_lens_need
 from .kernel_profile import KernelProfile
@@ -113,6 +113,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
                 self._profile.device_marks(torch.get_device_module(self.device))
         self._kprof = KernelProfile.from_env(self._tp_group.rank_in_group,
                                              None if _is_cpu else torch.get_device_module(self.device).synchronize)
+        self._memtrace = MemTrace.from_env(self._tp_group.rank_in_group)
         self._fwd_marks = [None, None]  # device marks around the last forward call (profile only)
         self._timer = StepTimer.for_device(
             self._record_duration, None if _is_cpu else torch.get_device_module(self.device),
@@ -287,6 +288,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         t0 = time.perf_counter()
         if self._kprof is not None:
             self._kprof.before_step()
+        if self._memtrace is not None:
+            self._memtrace.tick()
         if self._state is not None:
             self._state.maybe_save(self.planner.controller)  # rank 0, every state_save_minutes
         fwd_stream = torch.get_device_module(self.device).current_stream()

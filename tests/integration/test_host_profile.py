@@ -123,3 +123,46 @@ def test_sigusr1_prints_every_threads_stack_and_the_process_runs_on(tmp_path):
             assert "ran on" in proc.stdout and "marker_frame" in proc.stderr and proc.returncode == 0
         else:
             assert "ran on" not in proc.stdout and proc.returncode != 0
+
+
+def test_the_memory_trace_names_the_site_that_grew(tmp_path):
+    """NGRAMSPEC_MEM_TRACE: a first snapshot once warm, then one per interval, each with the process's RSS, the
+    traced heap and the sites that grew since the first; a list kept growing in this test is named."""
+    import tracemalloc
+
+    from ngramspec_sglang.diagnostics import MemTrace
+
+    now = [0.0]
+    path = tmp_path / "mem.json"
+    was_tracing = tracemalloc.is_tracing()
+    trace = MemTrace(str(path), every_s=10.0, warm_s=5.0, clock=lambda: now[0])
+    kept = []
+    try:
+        trace.tick()
+        assert not path.exists()  # not warm yet
+        now[0] = 5.0
+        trace.tick()
+        for _ in range(3):
+            now[0] += 10.0
+            kept.extend(bytearray(4096) for _ in range(256))  # 1 MB more per interval, from this line
+            trace.tick()
+            trace.tick()  # within the interval: nothing
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    out = json.loads(path.read_text())
+    snaps = out["snapshots"]
+    assert out["every_s"] == 10.0 and [s["t_s"] for s in snaps] == [5.0, 15.0, 25.0, 35.0]
+    assert snaps[0]["grew"] == [] and all(s["rss_mb"] > 0 for s in snaps)
+    assert snaps[-1]["traced_mb"] - snaps[0]["traced_mb"] > 2.5
+    top = snaps[-1]["grew"][0]
+    assert "test_host_profile.py:" in top["site"] and top["mb"] > 2.5 and top["count"] > 0
+
+
+def test_the_memory_trace_is_off_unless_asked(monkeypatch):
+    from ngramspec_sglang.diagnostics import MemTrace
+
+    monkeypatch.delenv("NGRAMSPEC_MEM_TRACE", raising=False)
+    assert MemTrace.from_env(0) is None
+    monkeypatch.setenv("NGRAMSPEC_MEM_TRACE", "/nonexistent/m.json")
+    assert MemTrace.from_env(1) is None  # rank 0 only

@@ -266,6 +266,8 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
     open(kpath + ".start", "w").close()  # a window from the first decode step
     w._kprof = KernelProfile(kpath, steps=KERNEL_WINDOW, synchronize=lambda: None,
                              kernels_of=lambda prof: [(e.name, e.time_range.elapsed_us()) for e in prof.events()])
+    w._memtrace = SimpleNamespace(ticks=0)  # NGRAMSPEC_MEM_TRACE's hook: counts the decode steps that call it
+    w._memtrace.tick = lambda: setattr(w._memtrace, "ticks", w._memtrace.ticks + 1)
     w._fwd_marks = [None, None]
     w._timer = SimpleNamespace(harvest=lambda: None, step_launched=lambda *a: None, interrupt=lambda: None)
     w._drafted_last = False
@@ -480,7 +482,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
                              if worker.planner.recycle_table is not None else 0),
             "stats": dict(worker.planner.stats.__dict__), "kernel_profile": kernels,
-            "kernel_start_left": kernel_start_left, "kernel_windows": worker._kprof.windows}
+            "kernel_start_left": kernel_start_left, "kernel_windows": worker._kprof.windows,
+            "memtrace_ticks": worker._memtrace.ticks}
 
 
 def relay_rows(relay, idx, stride):
