@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import os
 import signal
 import time
@@ -16,6 +17,8 @@ from collections import deque
 import numpy as np
 
 from .sched_profile import dump_periodically
+
+logger = logging.getLogger(__name__)
 
 
 def stacks_on_sigusr1() -> bool:
@@ -217,8 +220,8 @@ class MemTrace:
     time, the process's RSS and the traced Python heap, and the allocation sites that grew most since the first
     snapshot (file:line, MB, count).
     RSS growing while the traced heap stays flat points below Python (torch, numba, CUDA's host allocations). A
-    snapshot stalls the step that takes it (about a second in a server), and tracing slows Python allocations:
-    not for timed runs."""
+    snapshot stalls the step that takes it (longer the more is traced), and tracing slows Python allocations: not
+    for timed runs. A snapshot that fails turns the trace off (logged); the server runs on."""
 
     def __init__(self, path: str, every_s: float = 30.0, warm_s: float = 30.0, frames: int = 8, top: int = 25,
                  clock=time.monotonic):
@@ -228,6 +231,7 @@ class MemTrace:
         self._next = self._t0 + self.warm_s
         self._first = None
         self.rows: list[dict] = []
+        self.failed: str | None = None
         if not tracemalloc.is_tracing():
             tracemalloc.start(int(frames))
 
@@ -241,9 +245,16 @@ class MemTrace:
     def tick(self) -> None:
         """Call once per decode step: a snapshot when one is due."""
         now = self._clock()
-        if now < self._next:
+        if self.failed or now < self._next:
             return
         self._next = now + self.every_s
+        try:
+            self._snapshot(now)
+        except Exception as e:  # a diagnostic never takes the server down
+            self.failed = repr(e)
+            logger.warning("NGRAMSPEC_MEM_TRACE: a snapshot failed (%s); off", self.failed)
+
+    def _snapshot(self, now: float) -> None:
         snap = tracemalloc.take_snapshot().filter_traces((tracemalloc.Filter(False, tracemalloc.__file__),))
         row = {"t_s": round(now - self._t0, 1), "rss_mb": round(_rss_mb(), 1),
                "traced_mb": round(sum(s.size for s in snap.statistics("filename")) / 2**20, 2)}

@@ -166,3 +166,26 @@ def test_the_memory_trace_is_off_unless_asked(monkeypatch):
     assert MemTrace.from_env(0) is None
     monkeypatch.setenv("NGRAMSPEC_MEM_TRACE", "/nonexistent/m.json")
     assert MemTrace.from_env(1) is None  # rank 0 only
+
+
+def test_a_failing_memory_snapshot_turns_the_trace_off_and_raises_nothing(tmp_path, monkeypatch):
+    import tracemalloc
+
+    from ngramspec_sglang import diagnostics
+
+    now = [0.0]
+    was_tracing = tracemalloc.is_tracing()
+    trace = diagnostics.MemTrace(str(tmp_path / "m.json"), every_s=1.0, warm_s=0.0, clock=lambda: now[0])
+    try:
+        def broken():
+            raise MemoryError("no room for a snapshot")
+
+        monkeypatch.setattr(diagnostics.tracemalloc, "take_snapshot", broken)
+        trace.tick()
+        assert trace.failed and "MemoryError" in trace.failed
+        now[0] = 5.0
+        trace.tick()  # off: not tried again
+        assert not (tmp_path / "m.json").exists()
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
