@@ -13,6 +13,7 @@ import uuid
 
 import numpy as np
 
+from ngramspec.layout import accepted_path, mask_parents
 from ngramspec_sglang.config import AdaptiveConfig
 from ngramspec_sglang.drafting import DraftPlanner, RequestView
 
@@ -37,15 +38,13 @@ def new_request(rng) -> dict:
     return {"rid": uuid.uuid4().hex, "prompt": prompt, "truth": out[:n], "output": []}
 
 
-def accepted(plan, i: int, upcoming: list) -> int:
-    """Tokens a greedy verify commits for request ``i``: the drafted chain's matching prefix plus one."""
+def committed_count(plan, i: int, upcoming: list) -> int:
+    """Tokens a greedy verify commits for request ``i``: the accepted draft nodes (chain or tree) plus one."""
     k = int(plan.drafted[i]) if plan.width > 1 else 0
-    n = 1
-    for drafted, true in zip(plan.tokens[i, 1:1 + k], upcoming[1:]):
-        if int(drafted) != true:
-            break
-        n += 1
-    return n
+    if k == 0:
+        return 1
+    parents = mask_parents(plan.mask[i, :k + 1, :k + 1])[1:] - 1  # draft-relative, -1: the root
+    return 1 + len(accepted_path(plan.tokens[i, 1:1 + k], parents, upcoming))
 
 
 def main(total: int) -> None:
@@ -58,7 +57,7 @@ def main(total: int) -> None:
         plan = planner.plan([RequestView(r["rid"], r["prompt"], r["output"]) for r in running])
         for i, r in enumerate(running):
             upcoming = r["truth"][len(r["output"]):]
-            r["output"] = r["output"] + upcoming[:accepted(plan, i, upcoming)]
+            r["output"] = r["output"] + upcoming[:committed_count(plan, i, upcoming)]
         planner.record_duration(plan.width, len(running), 0.006 * (1 + 0.05 * plan.width))
         finished = [r for r in running if len(r["output"]) >= len(r["truth"])]
         if not finished:

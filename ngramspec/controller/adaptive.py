@@ -40,7 +40,8 @@ calibration file, or a conservative default) scaled by what was measured; and a 
 bounded share of steps, so a wrong prior is corrected. A width whose measurement near this batch size is older than
 ``stale_after`` reported steps, is more than 1.5x what the other widths imply for it, and would win at that, is
 re-measured (at most once per ``stale_after`` steps; its stale average is then replaced, not clipped): a width
-once measured during a stall is not banned for good. The controller is never told the true profile.
+once measured during a stall is not banned for good. A first sample capped as a likely stall counts as stale after
+a tenth of ``stale_after``. The controller is never told the true profile.
 
 **Host cost**. All per-step work runs in numba kernels over flat arrays, passed as bundles (named tuples of
 arrays: ``calibration.Calibration``, ``calibration.Pending``, ``cost.CostState``, ``cost.CostRow``,

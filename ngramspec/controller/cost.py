@@ -17,6 +17,9 @@ from numba import njit
 from ngramspec._cache_api import Direct
 from ngramspec.controller.protocol import DEFAULT_WIDTHS, check_widths, is_int
 
+# a first sample of a (batch size, width) capped at `clip` times what the others imply (most likely a stall: a
+# compile, a GC pause) may be re-measured after stale_after // SUSPECT_DIV samples instead of stale_after
+SUSPECT_DIV = 10
 
 def default_prior(batch: int, width: int) -> float:
     """Conservative relative cost when nothing is known: a verify of n tokens costs 2 + 0.25 (n - 1) decodes.
@@ -210,11 +213,13 @@ def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
     old = ewma[B, wi]
     if np.isnan(old) and nblist[wi] >= blist.shape[1]:
         return False
+    suspect = False
     if np.isnan(old):
         x = ms
         ref = _first_ref(s, B, wi) if clip > 0 else np.nan
-        if not np.isnan(ref):
-            x = min(x, ref * clip)
+        if not np.isnan(ref) and x > ref * clip:
+            x = ref * clip
+            suspect = True
         ewma[B, wi] = x
         k = nblist[wi]
         blist[wi, k] = B
@@ -227,6 +232,8 @@ def _cost_observe(s, B, wi, ms, alpha, clip, clock, stale_after):
             x = min(max(x, old / clip), old * clip)
         ewma[B, wi] = old + alpha * (x - old)
     last[B, wi] = clock
+    if suspect and stale_after > 0:  # a first sample at the cap is likely a stall: stale after a tenth of the wait
+        last[B, wi] = clock - stale_after + max(1, stale_after // SUSPECT_DIV)
     r = ms / prior[B, wi]
     bi = _bucket_id(B)
     if not has_ratio[bi]:
@@ -323,7 +330,7 @@ def _cost_near(s, B, widths, clock, stale_after, measured, stale):
     measurements are older than ``stale_after`` steps."""
     last, blist, nblist = s.last, s.blist, s.nblist
     for wi in range(widths.shape[0]):
-        newest = -1
+        newest = -(1 << 62)  # a suspect first sample's time may lie before the clock's start (`_cost_observe`)
         found = False
         for k in range(nblist[wi]):
             b = blist[wi, k]

@@ -26,10 +26,10 @@ def parents(mask: np.ndarray, k: int) -> list[int]:
     return out
 
 
-def verified(plan, upcoming) -> int:
-    """Tokens a greedy verify of a one-request `plan` commits when the model's next tokens are `upcoming`."""
-    k = int(plan.drafted[0])
-    return 1 + len(accepted_path(plan.tokens[0, 1:1 + k], parents(plan.mask[0], k), upcoming))
+def verified(plan, upcoming, i: int = 0) -> int:
+    """Tokens a greedy verify of request ``i`` of `plan` commits when the model's next tokens are `upcoming`."""
+    k = int(plan.drafted[i])
+    return 1 + len(accepted_path(plan.tokens[i, 1:1 + k], parents(plan.mask[i], k), upcoming))
 
 
 def replay(requests, plain_ms, verify_ms, lagged=True, preplan=False, counts=None):
@@ -213,8 +213,8 @@ def test_the_planners_memory_does_not_grow_with_requests_served():
             plan = planner.plan([RequestView(rid, prompt, output) for rid, prompt, _, output in running])
             for i, r in enumerate(running):
                 upcoming = r[2][len(r[3]):]
-                n = verified(plan, upcoming) if plan.width > 1 and plan.drafted[i] else 1
-                r[3] = r[3] + upcoming[:n] if plan.width > 1 else r[3] + upcoming[:1]
+                n = verified(plan, upcoming, i) if plan.width > 1 else 1
+                r[3] = r[3] + upcoming[:n]
             planner.record_duration(plan.width, len(running), 0.006 * (1 + 0.05 * plan.width))
             finished = [r for r in running if len(r[3]) >= len(r[2])]
             if finished:
