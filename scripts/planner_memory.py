@@ -15,15 +15,11 @@ import numpy as np
 
 from ngramspec.layout import accepted_path, mask_parents
 from ngramspec_sglang.config import AdaptiveConfig
+from ngramspec_sglang.diagnostics import rss_mb
 from ngramspec_sglang.drafting import DraftPlanner, RequestView
 
 VOCAB = 49152  # SmolLM2's
 BATCH = 16
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
 
 
 def new_request(rng) -> dict:

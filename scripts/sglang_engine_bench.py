@@ -469,6 +469,13 @@ def first_difference(a, b) -> int | None:
     return min(len(a), len(b))
 
 
+def _signal_group(pgid: int, sig) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def run_child(script: str, name: str, timeout: float, logs: str | None, grace: float = 5.0) -> dict:
     """Run ``script --one NAME`` (this process's arguments passed on) in a child process (its own process group,
     with the engine's processes) and return the JSON it prints after ``RESULT ``, or an error with the tail of its
@@ -485,16 +492,14 @@ def run_child(script: str, name: str, timeout: float, logs: str | None, grace: f
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        for sig, wait in ((signal.SIGUSR1, grace), (signal.SIGKILL, None)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                out, err = proc.communicate(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        _signal_group(proc.pid, signal.SIGUSR1)  # the stacks first
+        try:
+            out, err = proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            out = err = None
+        _signal_group(proc.pid, signal.SIGKILL)  # then the whole group, the engine's processes too
+        if out is None:
+            out, err = proc.communicate()
     if logs:
         os.makedirs(logs, exist_ok=True)
         with open(os.path.join(logs, f"{name}.log"), "w") as f:

@@ -256,7 +256,7 @@ class MemTrace:
 
     def _snapshot(self, now: float) -> None:
         snap = tracemalloc.take_snapshot().filter_traces((tracemalloc.Filter(False, tracemalloc.__file__),))
-        row = {"t_s": round(now - self._t0, 1), "rss_mb": round(_rss_mb(), 1),
+        row = {"t_s": round(now - self._t0, 1), "rss_mb": round(rss_mb(), 1),
                "traced_mb": round(sum(s.size for s in snap.statistics("filename")) / 2**20, 2)}
         if self._first is None:
             self._first = snap
@@ -272,7 +272,8 @@ class MemTrace:
         os.replace(tmp, self.path)
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
+    """This process's resident set size in MB (NaN where /proc is missing)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
