@@ -13,6 +13,8 @@ What the two share below the cache's public names; a controller takes nothing el
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ngramspec._draft import append_own, propose_batch, propose_own
@@ -44,12 +46,14 @@ class Direct:
     their `OwnState` / `SharedState` bundles and the typed List, all fixed at construction), Python ints and bools
     of fixed meaning, and arrays that went through `fix`. The first call goes through the dispatcher (compiling
     or loading the kernel) and then puts the entry point in its place, ``owner.<attr>``, so that later calls go
-    to it without even this object's frame; should numba's internals not offer it, the dispatcher goes there."""
+    to it without even this object's frame; should numba's internals not offer it, the dispatcher goes there.
+    It holds its owner weakly: an owner whose kernel was never called is freed when its last reference goes, without
+    waiting for the cyclic garbage collector (a server's old cache after a flush: hundreds of MB)."""
 
     __slots__ = ("owner", "attr", "kernel")
 
     def __init__(self, owner, attr: str, kernel):
-        self.owner, self.attr, self.kernel = owner, attr, kernel
+        self.owner, self.attr, self.kernel = weakref.ref(owner), attr, kernel
 
     def __call__(self, *args):
         out = self.kernel(*args)
@@ -60,6 +64,7 @@ class Direct:
             entry = self.kernel.overloads[sig].entry_point
         except Exception:  # numba internals changed: keep the dispatcher
             entry = self.kernel
-        setattr(self.owner, self.attr, entry)
-        self.owner = None
+        owner = self.owner()
+        if owner is not None:
+            setattr(owner, self.attr, entry)
         return out

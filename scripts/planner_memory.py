@@ -4,6 +4,10 @@ server's default capacity serves batches of up to 16 requests (uuid request ids,
 scripts/sglang_soak.py's load, outputs copying their prompts in part, greedy verification against them), each request
 released when done; the process's RSS and Python heap every 250 requests. CPU only, no sglang server:
     .venv-sglang/bin/python scripts/planner_memory.py 4000
+With --flushes N: N times, 40 requests served and then the planner replaced, as SGLang's /flush_cache does in the
+server, with Python's cyclic collector off (a server may not run it for a long time): RSS after each flush, which
+grows by a whole cache per flush where the old one is only freed by that collector.
+    .venv-sglang/bin/python scripts/planner_memory.py --flushes 4
 """
 import gc
 import sys
@@ -43,12 +47,14 @@ def committed_count(plan, i: int, upcoming: list) -> int:
     return 1 + len(accepted_path(plan.tokens[i, 1:1 + k], parents, upcoming))
 
 
-def main(total: int) -> None:
-    rng = np.random.default_rng(0)
-    planner = DraftPlanner(AdaptiveConfig(widths=(1, 2, 3, 4, 6, 8, 12, 16)))  # the server's default capacity
+CONFIG = AdaptiveConfig(widths=(1, 2, 3, 4, 6, 8, 12, 16))  # the server's default capacity
+
+
+def serve(planner, rng, total: int, report=None) -> None:
+    """Batches of up to BATCH requests until ``total`` have finished, each released when done (the rest at the end);
+    ``report(before, done)`` after each release."""
     running = [new_request(rng) for _ in range(BATCH)]
-    done, base, t0 = 0, None, time.time()
-    tracemalloc.start()
+    done = 0
     while done < total:
         plan = planner.plan([RequestView(r["rid"], r["prompt"], r["output"]) for r in running])
         for i, r in enumerate(running):
@@ -62,6 +68,31 @@ def main(total: int) -> None:
         before, done = done, done + len(finished)
         running = [r for r in running if len(r["output"]) < len(r["truth"])]
         running += [new_request(rng) for _ in finished]
+        if report is not None:
+            report(before, done)
+    planner.release([r["rid"] for r in running])
+
+
+def flushes(n: int) -> None:
+    rng = np.random.default_rng(0)
+    gc.disable()
+    planner = DraftPlanner(CONFIG)
+    print(f"start: RSS {rss_mb():8.1f} MB", flush=True)
+    for k in range(1, n + 1):
+        serve(planner, rng, 40)
+        planner = None  # as the worker does: the old planner goes before the new one is built
+        planner = DraftPlanner(CONFIG)
+        print(f"flush {k}: RSS {rss_mb():8.1f} MB", flush=True)
+
+
+def main(total: int) -> None:
+    rng = np.random.default_rng(0)
+    planner = DraftPlanner(CONFIG)
+    base, t0 = None, time.time()
+    tracemalloc.start()
+
+    def report(before: int, done: int) -> None:
+        nonlocal base
         if done // 250 != before // 250:
             gc.collect()
             heap = tracemalloc.get_traced_memory()[0] / 2**20
@@ -71,6 +102,11 @@ def main(total: int) -> None:
                   f"  Python heap {heap:6.2f} MB ({heap - base[1]:+5.2f})  tracked {len(planner.tracked_requests)}",
                   flush=True)
 
+    serve(planner, rng, total, report)
+
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3000)
+    if len(sys.argv) > 1 and sys.argv[1] == "--flushes":
+        flushes(int(sys.argv[2]) if len(sys.argv) > 2 else 4)
+    else:
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 3000)

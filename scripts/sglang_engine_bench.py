@@ -158,6 +158,12 @@ CONFIGS = {
     # n-gram draft and recycling rarely drafts), no widening
     "adaptive_rc3": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"recycle": True, "recycle_min_match": 3,
                                                                                  "recycle_widen": False}),
+    # token recycling at the paper's tree shape: up to 64 nodes (branching 4-2-2-1-1-1) where the n-gram match is
+    # shorter than 3 tokens, widths up to 64; and its control, the n-gram drafts alone at widths up to 64
+    "adaptive_rc64": dict(speculative_algorithm="NGRAM_ADAPTIVE", speculative_num_draft_tokens=64,
+                          adaptive_file={"recycle": True, "recycle_min_match": 3,
+                                         "recycle_branching": [4, 2, 2, 1, 1, 1]}),
+    "adaptive_ng64": dict(speculative_algorithm="NGRAM_ADAPTIVE", speculative_num_draft_tokens=64),
     # every step verifies 16 tokens, so every step waits for the one before: the drafting step's period with and
     # without the verify prepared before the wait (the profile's durations at width 16)
     "adaptive_f16": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16}),

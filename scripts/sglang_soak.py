@@ -1374,6 +1374,9 @@ def mem_trace_lines(traces: dict, top: int = 3) -> list[str]:
         a, b = snaps[0], snaps[-1]
         lines.append(f"memory trace, instance {inst}: {len(snaps)} snapshots over {b['t_s'] - a['t_s']:.0f} s, RSS "
                      f"{a['rss_mb']} -> {b['rss_mb']} MB, traced Python heap {a['traced_mb']} -> {b['traced_mb']} MB")
+        na, nb = a.get("native") or {}, b.get("native") or {}
+        if na and nb:
+            lines.append("  of it: " + ", ".join(f"{k} {na[k]} -> {nb[k]}" for k in na if k in nb))
         lines += [f"  grew {g['mb']:+.2f} MB ({g['count']:+d} blocks) at {g['site']}" for g in b.get("grew", [])[:top]]
     return lines
 

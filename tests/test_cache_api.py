@@ -572,3 +572,31 @@ def test_budgets_beyond_the_reused_scratch_draft_the_prefix_extension(tree):
     for d in (big, again):
         assert d.tokens[:len(small)].tolist() == small.tokens.tolist()
         assert d.parents[:len(small)].tolist() == small.parents.tolist()
+
+
+def test_a_dropped_cache_and_controller_are_freed_without_the_cyclic_collector():
+    """A server replaces its cache and controller at a cache flush. The old ones (hundreds of MB at a server's
+    capacity) must go with their last reference: a long-running process may not run the cyclic collector for a
+    long time. Used or not, neither holds itself in a cycle (nor does the controller hold the cache)."""
+    import gc
+    import weakref
+
+    from ngramspec.controller import AdaptiveController
+
+    for used in (False, True):
+        cache = NgramCache(local_nodes=4096, shared_nodes=4096, shared_tokens=4096, max_requests=8)
+        ctl = AdaptiveController()
+        if used:
+            for rid in ("a", "b"):
+                cache.start_request(rid, [1, 2, 3, 1, 2, 3, 1, 2])
+                ctl.start(rid)
+            cache.add_tokens("a", [3])
+            cache.propose(["a", "b"])
+            ctl.step(cache, ["a", "b"], [[1], [3]])  # a batch of two: the controller remembers its slots
+        refs = [weakref.ref(cache), weakref.ref(ctl)]
+        gc.disable()
+        try:
+            del cache, ctl
+            assert [r() is None for r in refs] == [True, True], used
+        finally:
+            gc.enable()

@@ -885,13 +885,15 @@ def test_load_from_ready_gives_the_whole_load_after_a_slow_start_up(soak, tmp_pa
 
 
 def test_the_memory_trace_is_summed_up_per_instance(soak):
-    trace = {"snapshots": [{"t_s": 30.0, "rss_mb": 3900.0, "traced_mb": 210.5, "grew": []},
-                           {"t_s": 330.0, "rss_mb": 4055.0, "traced_mb": 212.0,
+    trace = {"snapshots": [{"t_s": 30.0, "rss_mb": 3900.0, "traced_mb": 210.5, "grew": [],
+                            "native": {"anon": 3000.0, "malloc_used": 900.0}},
+                           {"t_s": 330.0, "rss_mb": 4055.0, "traced_mb": 212.0, "native": {"anon": 3150.0},
                             "grew": [{"site": "sglang/x.py:12", "mb": 1.25, "count": 300},
                                      {"site": "ngramspec_sglang/y.py:3", "mb": 0.2, "count": -4}]}]}
     lines = soak.mem_trace_lines({"0": trace, "1": {"snapshots": []}}, top=1)
     assert lines == ["memory trace, instance 0: 2 snapshots over 300 s, RSS 3900.0 -> 4055.0 MB, traced Python heap "
-                     "210.5 -> 212.0 MB", "  grew +1.25 MB (+300 blocks) at sglang/x.py:12"]
+                     "210.5 -> 212.0 MB", "  of it: anon 3000.0 -> 3150.0",
+                     "  grew +1.25 MB (+300 blocks) at sglang/x.py:12"]
 
 
 if __name__ == "__main__":

@@ -219,11 +219,15 @@ class MemTrace:
     (NGRAMSPEC_MEM_TRACE_SECONDS, default 30) a decode step takes another and rewrites FILE (JSON): per snapshot the
     time, the process's RSS and the traced Python heap, and the allocation sites that grew most since the first
     snapshot (file:line, MB, count).
-    RSS growing while the traced heap stays flat points below Python (torch, numba, CUDA's host allocations). A
-    snapshot stalls the step that takes it (longer the more is traced), and tracing slows Python allocations: not
-    for timed runs. A snapshot that fails turns the trace off (logged); the server runs on."""
+    RSS growing while the traced heap stays flat points below Python (torch, numba, CUDA's host allocations); each
+    snapshot also splits the RSS (`native_memory`: anonymous, file-backed and shared pages, malloc's heap in use and
+    free, torch's pinned host memory) to say which. The trace keeps only the first snapshot's per-site totals, not
+    the snapshot, and records one frame per allocation (the allocating line): its own memory (``tracing_mb``) stays
+    that of the live allocations. A snapshot stalls the step that takes it (longer the more is traced), and tracing
+    slows Python allocations: not for timed runs. A snapshot that fails turns the trace off (logged); the server
+    runs on."""
 
-    def __init__(self, path: str, every_s: float = 30.0, warm_s: float = 30.0, frames: int = 8, top: int = 25,
+    def __init__(self, path: str, every_s: float = 30.0, warm_s: float = 30.0, frames: int = 1, top: int = 25,
                  clock=time.monotonic):
         self.path, self.every_s, self.warm_s, self.top = path, float(every_s), float(warm_s), int(top)
         self._clock = clock
@@ -256,20 +260,69 @@ class MemTrace:
 
     def _snapshot(self, now: float) -> None:
         snap = tracemalloc.take_snapshot().filter_traces((tracemalloc.Filter(False, tracemalloc.__file__),))
+        sites = {(st.traceback[0].filename, st.traceback[0].lineno): (st.size, st.count)
+                 for st in snap.statistics("lineno")}
+        del snap  # the per-site totals are all that is kept
         row = {"t_s": round(now - self._t0, 1), "rss_mb": round(rss_mb(), 1),
-               "traced_mb": round(sum(s.size for s in snap.statistics("filename")) / 2**20, 2)}
+               "traced_mb": round(sum(size for size, _ in sites.values()) / 2**20, 2),
+               "tracing_mb": round(tracemalloc.get_tracemalloc_memory() / 2**20, 2),  # the trace's own share
+               "native": native_memory()}
         if self._first is None:
-            self._first = snap
+            self._first = sites
             row["grew"] = []
         else:
-            grew = [d for d in snap.compare_to(self._first, "lineno") if d.size_diff > 0][:self.top]
-            row["grew"] = [{"site": f"{d.traceback[0].filename}:{d.traceback[0].lineno}",
-                            "mb": round(d.size_diff / 2**20, 3), "count": d.count_diff} for d in grew]
+            first = self._first
+            diffs = [(size - first.get(k, (0, 0))[0], count - first.get(k, (0, 0))[1], k)
+                     for k, (size, count) in sites.items()]
+            grew = sorted((d for d in diffs if d[0] > 0), key=lambda d: -d[0])[:self.top]
+            row["grew"] = [{"site": f"{f}:{line}", "mb": round(size / 2**20, 3), "count": count}
+                           for size, count, (f, line) in grew]
         self.rows.append(row)
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"every_s": self.every_s, "snapshots": self.rows}, f, indent=1)
         os.replace(tmp, self.path)
+
+
+def native_memory() -> dict:
+    """Where this process's memory lies, in MB (a key is missing where its source is): resident pages by kind
+    (/proc/self/smaps_rollup: ``anon``, ``file``, ``shmem``), glibc malloc's heap (``malloc_used``: in use, ``mmap``
+    of it in blocks of their own; ``malloc_free``: held but free, fragmentation) and torch's cached pinned host
+    memory (``pinned_used``, ``pinned_reserved``, where torch keeps the counts)."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            fields = {k: v for k, _, v in (line.partition(":") for line in f) if v.strip().endswith("kB")}
+        for key, name in (("anon", "Anonymous"), ("file", "Pss_File"), ("shmem", "Pss_Shmem")):
+            if name in fields:
+                out[key] = round(int(fields[name].split()[0]) / 1024, 1)
+    except (OSError, ValueError):
+        pass
+    try:
+        import ctypes
+
+        class _MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        m = libc.mallinfo2()
+        out.update(malloc_used=round((m.uordblks + m.hblkhd) / 2**20, 1), mmap=round(m.hblkhd / 2**20, 1),
+                   malloc_free=round(m.fordblks / 2**20, 1))
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        pass
+    try:
+        import sys
+
+        torch = sys.modules.get("torch")  # only where the process has it already
+        stats = torch.cuda.memory.host_memory_stats() if torch is not None and torch.cuda.is_initialized() else {}
+        for key, name in (("pinned_used", "allocated_bytes.current"), ("pinned_reserved", "reserved_bytes.current")):
+            if name in stats:
+                out[key] = round(stats[name] / 2**20, 1)
+    except Exception:  # a torch without these counts
+        pass
+    return out
 
 
 def rss_mb() -> float:

@@ -234,6 +234,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
     def clear_cache_pool(self):
         if self._profile is not None:
             self._profile.fold(self.planner.stats)
+            self._profile.controller = None  # the new planner's comes with its first step
+        self.planner = None  # the old cache (hundreds of MB at the default capacity) goes before the new one comes
         self.planner = self._new_planner()
         if self._state is not None:
             self._state.load(self.planner.controller)

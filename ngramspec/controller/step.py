@@ -7,6 +7,7 @@ of it; the cache's side of the interface is ``ngramspec._cache_api``.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Hashable, Sequence
 
 import numpy as np
@@ -217,7 +218,7 @@ class Stepping:
                 cslots[0] = cso[rid]
                 return slots, cslots
             k = self._batch_slots  # a decode batch mostly keeps its requests from one step to the next
-            if k is not None and k[0] is cache and k[1] == self._slots_gen and k[2] == cache._slots_gen \
+            if k is not None and k[0]() is cache and k[1] == self._slots_gen and k[2] == cache._slots_gen \
                     and k[3] == rids:
                 return k[4]
             B = len(rids)
@@ -225,7 +226,8 @@ class Stepping:
                 return None
             pair = (np.fromiter(map(so.__getitem__, rids), np.int64, B),
                     np.fromiter(map(cso.__getitem__, rids), np.int64, B))
-            self._batch_slots = (cache, self._slots_gen, cache._slots_gen, list(rids), pair)
+            self._batch_slots = (weakref.ref(cache), self._slots_gen,  # weakly: a flushed cache goes at once
+                                 cache._slots_gen, list(rids), pair)
             return pair
         except (KeyError, TypeError):
             return None

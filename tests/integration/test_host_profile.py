@@ -154,6 +154,9 @@ def test_the_memory_trace_names_the_site_that_grew(tmp_path):
     snaps = out["snapshots"]
     assert out["every_s"] == 10.0 and [s["t_s"] for s in snaps] == [5.0, 15.0, 25.0, 35.0]
     assert snaps[0]["grew"] == [] and all(s["rss_mb"] > 0 for s in snaps)
+    # where the RSS lies: on Linux at least the anonymous pages and malloc's heap, which holds the list grown here
+    assert all(s["native"]["anon"] > 0 and s["native"]["malloc_used"] > 0 for s in snaps)
+    assert snaps[-1]["native"]["malloc_used"] - snaps[0]["native"]["malloc_used"] > 2.5
     assert snaps[-1]["traced_mb"] - snaps[0]["traced_mb"] > 2.5
     top = snaps[-1]["grew"][0]
     assert "test_host_profile.py:" in top["site"] and top["mb"] > 2.5 and top["count"] > 0

@@ -33,7 +33,13 @@ LOGPROB_EVERY = {"logprobs": 3, "logprobs_preplan": 3}  # every third step a req
 CONFIGS.update({"recycle": {"widths": [1, 2, 4, 8, 16], "recycle": True},
                 "recycle_fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True,
                                             "recycle": True, "recycle_min_match": 3}})
-RECYCLE = ("recycle", "recycle_fixed16_preplan")
+# widths up to 64 with recycling's 64-node trees (the paper's shape)
+CONFIGS.update({"recycle64": {"widths": [1, 2, 4, 8, 16, 32, 64], "recycle": True, "recycle_min_match": 3,
+                              "recycle_branching": [4, 2, 2, 1, 1, 1]},
+                "recycle64_fixed_preplan": {"widths": [1, 2, 4, 8, 16, 32, 64], "fixed_width": 64, "preplan": True,
+                                            "recycle": True, "recycle_min_match": 3,
+                                            "recycle_branching": [4, 2, 2, 1, 1, 1]}})
+RECYCLE = ("recycle", "recycle_fixed16_preplan", "recycle64", "recycle64_fixed_preplan")
 # draft_max_batch 2 with three requests: plain steps while all three run, drafting once one has left
 CONFIGS.update({"dmb2": {"widths": [1, 2, 4, 8, 16], "draft_max_batch": 2},
                 "dmb2_fixed16_preplan": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": True,
@@ -203,3 +209,12 @@ def test_the_kernel_profile_splits_one_window_of_decode_steps(results, name):
     assert k["forwards"] >= 6 and k["prefills_in_window"] == 0
     assert k["kernels"] and k["gpu_ms_per_step"] > 0
     assert sum(k["by_category_ms_per_step"].values()) == pytest.approx(k["gpu_ms_per_step"], rel=1e-3, abs=1e-3)
+
+
+@pytest.mark.parametrize("name", ["defaults", "preplan", "recycle", "device3", "dmb2"])
+def test_a_cache_flush_frees_the_old_cache_at_once_and_keeps_what_was_served(results, name):
+    """SGLang's /flush_cache replaces the planner. Its old cache (hundreds of MB at the default capacity) must go
+    with its last reference, not wait for the cyclic collector (a GPU soak's scheduler grew by one cache at a flush)."""
+    r = results[name]
+    assert r["flush_freed"] == [True, True, True]  # planner, cache, controller
+    assert r["outputs_kept_by_flush"] and r["planner_after_flush_empty"]

@@ -20,12 +20,14 @@ drafted); with `preplan` the verify forwards it prepared read the tokens, positi
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.abc
 import importlib.machinery
 import json
 import sys
 import tempfile
 import types
+import weakref
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -233,7 +235,6 @@ class FakeForwardBatch:
 
 def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8):
     from ngramspec_sglang.backoff import PlanBackoff
-    from ngramspec_sglang.drafting import DraftPlanner
 
     W = worker_mod.NgramAdaptiveWorker
     w = object.__new__(W)
@@ -242,9 +243,12 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
     w.draft_token_num = w.speculative_num_draft_tokens = config.max_width
     w.enable_overlap = True
     w._target_worker = SimpleNamespace(forward_batch_generation=world.forward)
-    w.model_runner = SimpleNamespace(attn_backend=None, decode_cuda_graph_runner=None, watermark_state=None)
+    w.model_runner = SimpleNamespace(attn_backend=None, decode_cuda_graph_runner=None, watermark_state=None,
+                                     model_config=SimpleNamespace(vocab_size=VOCAB))
     w.device = "cpu"
-    w.planner = DraftPlanner(config, vocab_size=VOCAB if config.recycle else None)
+    w._tp_group = SimpleNamespace(rank_in_group=0, broadcast_object=lambda obj, src=0: obj)
+    w._max_requests = 64
+    w.planner = w._new_planner()  # as at start-up and at a cache flush
     w._topk_pending = deque(maxlen=worker_mod.TOPK_PENDING)
     w._state = None
     w._prev_decode_rids, w._relayed_rids = set(), set()
@@ -351,7 +355,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     tmp = tempfile.TemporaryDirectory()
     path = Path(tmp.name) / "adaptive.json"
     path.write_text(json.dumps(config_json))
-    config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path), speculative_num_draft_tokens=16))
+    config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path),
+                                            speculative_num_draft_tokens=max(config_json.get("widths", [16]))))
     rng = np.random.default_rng(seed)
     prompts, truth = {}, {}
     for i in range(n_requests + (join_at is not None)):
@@ -466,24 +471,39 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     tmp.cleanup()
     outputs_ok = all(r.output_ids == truth[r.rid] for r in reqs if r.rid not in aborted)
     outputs_ok &= all(r.output_ids == truth[r.rid][:len(r.output_ids)] for r in reqs)
-    return {"outputs_equal_truth": outputs_ok, "steps": decode_steps, "aborted": sorted(aborted),
-            "joined": sorted(joined), "histories_ok": histories_ok,
-            "tracked_after": sorted(map(str, worker.planner.tracked_requests)),
-            "lengths": [len(r.output_ids) for r in reqs], "preplan": profile["_diag"]["preplan"],
-            "profile_steps": sum(v["steps"] for k, v in profile.items() if not k.startswith("_")),
-            "preplan_s": sum(v["preplan_s"] for k, v in profile.items() if not k.startswith("_")),
-            "loads": world.loads, "prepared_verifies": sum(world.verify_reads),
-            "verifies": len(world.verify_reads), "verify_sizes": world.verify_sizes, "mask_checks": world.mask_checks,
-            "host_lens_checks": world.host_lens_checks, "logprob_steps": world.logprob_steps,
-            "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
-            "preplan_failed": worker._preplan_failed, "lens_reports": worker._lens_reports,
-            "planned_sizes": sorted(set(planned_sizes)), "device_steps": len(device_steps),
-            "recycled_requests": worker.planner.recycled_requests,
-            "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
+    res = {"outputs_equal_truth": outputs_ok, "steps": decode_steps, "aborted": sorted(aborted),
+           "joined": sorted(joined), "histories_ok": histories_ok,
+           "tracked_after": sorted(map(str, worker.planner.tracked_requests)),
+           "lengths": [len(r.output_ids) for r in reqs], "preplan": profile["_diag"]["preplan"],
+           "profile_steps": sum(v["steps"] for k, v in profile.items() if not k.startswith("_")),
+           "preplan_s": sum(v["preplan_s"] for k, v in profile.items() if not k.startswith("_")),
+           "loads": world.loads, "prepared_verifies": sum(world.verify_reads),
+           "verifies": len(world.verify_reads), "verify_sizes": world.verify_sizes, "mask_checks": world.mask_checks,
+           "host_lens_checks": world.host_lens_checks, "logprob_steps": world.logprob_steps,
+           "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
+           "preplan_failed": worker._preplan_failed, "lens_reports": worker._lens_reports,
+           "planned_sizes": sorted(set(planned_sizes)), "device_steps": len(device_steps),
+           "recycled_requests": worker.planner.recycled_requests,
+           "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
                              if worker.planner.recycle_table is not None else 0),
-            "stats": dict(worker.planner.stats.__dict__), "kernel_profile": kernels,
-            "kernel_start_left": kernel_start_left, "kernel_windows": worker._kprof.windows,
-            "memtrace_ticks": worker._memtrace.ticks}
+           "stats": dict(worker.planner.stats.__dict__), "kernel_profile": kernels,
+           "kernel_start_left": kernel_start_left, "kernel_windows": worker._kprof.windows,
+           "memtrace_ticks": worker._memtrace.ticks}
+    outputs_before_flush = [list(r.output_ids) for r in reqs]
+    # SGLang's /flush_cache on the idle server: the old planner, its cache and its controller must be freed at once
+    # (the cyclic collector may not run for a long time in a server), and nothing served is touched
+    del worker.planner.plan  # this scenario's counting wrapper, which holds the planner
+    plan = None  # and the planner's own method it wraps
+    old = [weakref.ref(worker.planner), weakref.ref(worker.planner.cache), weakref.ref(worker.planner.controller)]
+    gc.disable()
+    try:
+        worker.clear_cache_pool()
+        flush_freed = [w() is None for w in old]
+    finally:
+        gc.enable()
+    res.update(flush_freed=flush_freed, outputs_kept_by_flush=outputs_before_flush == [r.output_ids for r in reqs],
+               planner_after_flush_empty=not worker.planner.tracked_requests)
+    return res
 
 
 def relay_rows(relay, idx, stride):
