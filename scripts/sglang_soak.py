@@ -53,6 +53,10 @@ never fails in B, and every bad request is answered in A as in B, or with a 400 
   request table, req_to_token_pool, whenever it is idle).
 - rss_flat: the scheduler's RSS, a line fitted over the second half of each server instance's load window (those
   with at least 6 samples), grows less than --rss-slope-limit MB/min.
+- flush_keeps_memory: after the drain, --flush-cycles times the probes and then /flush_cache, the scheduler's RSS
+  read after each flush: it grows by at most FLUSH_GROWTH_MB from the first such flush to the last (a flush that
+  kept the old n-gram cache alive would add the cache's whole size, hundreds of MB at the default capacity, each
+  time).
 - probes_identical: the greedy probe outputs after the load (and after the restart, and after the flush) equal
   the first ones, or part from them only at near-ties: the top-2 logprob margin at the first differing position,
   measured, at most --tie-margin (default 0.05; float16 sums in other batch shapes flip such tokens in plain
@@ -92,6 +96,7 @@ TRACKED = IDLE_GAUGES + ("sglang:spec_accept_length", "sglang:gen_throughput", "
 NGRAMSPEC_GAUGES = ("ngramspec:verify_width", "ngramspec:drafted_tokens", "ngramspec:predicted_accept_length",
                     "ngramspec:realized_accept_length")
 LEAK_PATTERNS = ("memory leak detected", "double free", "use-after-free")
+FLUSH_GROWTH_MB = 100.0  # flush_keeps_memory: the scheduler's RSS from the first flush cycle to the last
 LENGTHS_DIFFER = "host lengths differ from the device's"  # NGRAMSPEC_CHECK_LENS=1 in the server's environment
 LOG_PATTERNS = LEAK_PATTERNS + ("Traceback (most recent call last)", "NGRAM_ADAPTIVE: controller state loaded",
                                 "NGRAM_ADAPTIVE: no controller state", "ignoring the controller state file",
@@ -1169,6 +1174,7 @@ class Soak:
             res["idle_after_flush"] = self.idle_metrics(wait=2.0)
             res["probe_after_flush"] = self.probe()
             res["probe_margins"] = self.margins(res)
+            res["flush_cycles"] = self.flush_cycles(self.a.flush_cycles)
             res["bad_requests"] = self.bad_requests()
             res["server_up_at_end"] = self.server.alive() and self.server.healthy(timeout=self.budget(15, 5))
         finally:
@@ -1179,6 +1185,23 @@ class Soak:
             self.server.stop(grace=min(10.0, max(1.0, self.left() - 10)), gone_wait=max(5.0, min(30.0, self.left())))
             self.finish()
         return res
+
+    def flush_cycles(self, n: int) -> list:
+        """``n`` times: the probes (something for the caches to hold), /flush_cache, then the scheduler's RSS. Stops
+        early where too little time is left for the bad requests after it, or the server is down."""
+        rows = []
+        for _ in range(n):
+            if self.left() < 80 or not self.server.alive():
+                break
+            self.probe()
+            try:
+                status, _ = http_call(self.a.port, "POST", "/flush_cache?timeout=10", timeout=self.budget(20, 70))
+            except (OSError, http.client.HTTPException) as e:
+                status = classify_exception(e)
+            proc = self.server.proc
+            rss = rss_by_role(proc.pid).get("scheduler") if proc is not None and proc.poll() is None else None
+            rows.append({"t": self.now(), "status": status, "scheduler_rss_mb": rss})
+        return rows
 
     def margins(self, res: dict) -> list:
         out = []
@@ -1322,6 +1345,12 @@ def evaluate(res: dict, rss_limit: float = 10.0, tie_margin: float = 0.05) -> di
     slopes = [w["slope_mb_per_min"] for w in wins if w["slope_mb_per_min"] is not None and w["points"] >= 6]
     checks["rss_flat"] = {"ok": (max(slopes) <= rss_limit) if slopes else None, "limit_mb_per_min": rss_limit,
                           "windows": wins}
+    if res.get("flush_cycles") is not None:
+        done = [c for c in res["flush_cycles"] if c.get("status") == 200 and c.get("scheduler_rss_mb") is not None]
+        grew = done[-1]["scheduler_rss_mb"] - done[0]["scheduler_rss_mb"] if len(done) >= 2 else None
+        checks["flush_keeps_memory"] = {"ok": None if grew is None else grew <= FLUSH_GROWTH_MB,
+                                        "grew_mb": None if grew is None else round(grew, 1),
+                                        "limit_mb": FLUSH_GROWTH_MB, "cycles": res["flush_cycles"]}
     before = res.get("probe_before")
     probes = {}
     for label in ("probe_after_restart", "probe_after", "probe_after_flush"):
@@ -1387,11 +1416,15 @@ def print_table(res: dict) -> bool:
           f"{len(res.get('records', []))} client requests, {len(res.get('benches', []))} bench_serving segments")
     for name, c in checks.items():
         ok = {True: "ok", False: "FAIL", None: "-"}[c["ok"]]
-        rest = {k: v for k, v in c.items() if k not in ("ok", "windows", "answers", "events")}
+        rest = {k: v for k, v in c.items() if k not in ("ok", "windows", "answers", "events", "cycles")}
         print(f"  {name:24s} {ok:5s} {json.dumps(rest)[:300]}")
     for w in checks.get("rss_flat", {}).get("windows", []):
         print(f"  scheduler RSS, instance {w['instance']}: {w['rss_mb_first']} -> {w['rss_mb_last']} MB, "
               f"{w['slope_mb_per_min']} MB/min over {w['points']} samples")
+    cycles = checks.get("flush_keeps_memory", {}).get("cycles")
+    if cycles:
+        print("  flush cycles (status, scheduler RSS MB): "
+              + ", ".join(f"{c['status']} {c['scheduler_rss_mb']}" for c in cycles))
     for log, counts in res.get("logs", {}).items():
         print(f"  {log}: {json.dumps(counts) if counts else 'none of ' + json.dumps(LOG_PATTERNS)}")
     for line in mem_trace_lines(res.get("mem_trace") or {}):
@@ -1483,6 +1516,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segment-grace", type=float, default=15.0,
                    help="seconds a bench_serving segment may run past its share of the time before it is cut")
     p.add_argument("--flush-every", type=float, default=60.0)
+    p.add_argument("--flush-cycles", type=int, default=4, help="after the drain: probes then /flush_cache, this many "
+                   "times, the scheduler's RSS after each (flush_keeps_memory)")
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS and /metrics samples")
     p.add_argument("--request-timeout", type=float, default=180.0, help="seconds per client request")
     p.add_argument("--idle-wait", type=float, default=40.0, help="seconds to wait for the idle gauges after drain")

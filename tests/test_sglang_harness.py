@@ -577,6 +577,23 @@ soak_gauges = ("ngramspec:verify_width", "ngramspec:drafted_tokens", "ngramspec:
                "ngramspec:realized_accept_length")
 
 
+def test_flush_cycles_catch_a_flush_that_keeps_the_old_cache(soak):
+    """flush_keeps_memory: the scheduler's RSS over the flush cycles after the drain. A flush that kept the old
+    n-gram cache (444 MB at the default capacity) grew it by a cache per flush; noise of a few MB passes; too few
+    answered flushes say nothing."""
+    def cycles(*rss, status=200):
+        return [{"t": 700.0 + i, "status": status, "scheduler_rss_mb": r} for i, r in enumerate(rss)]
+
+    assert "flush_keeps_memory" not in soak.evaluate(fake_result())  # an older result without the cycles
+    ok = soak.evaluate(fake_result(flush_cycles=cycles(3700.0, 3702.5, 3701.0, 3704.0)))["flush_keeps_memory"]
+    assert ok["ok"] is True and ok["grew_mb"] == 4.0
+    leak = soak.evaluate(fake_result(flush_cycles=cycles(3697.0, 4141.0, 4585.0, 5029.0)))["flush_keeps_memory"]
+    assert leak["ok"] is False and leak["grew_mb"] == 1332.0
+    assert soak.evaluate(fake_result(flush_cycles=cycles(3700.0, 5000.0, status=400)))["flush_keeps_memory"]["ok"] \
+        is None  # refused (requests running): nothing was flushed
+    assert soak.evaluate(fake_result(flush_cycles=[]))["flush_keeps_memory"]["ok"] is None
+
+
 def test_evaluate_healthy_and_each_failure(soak):
     checks = soak.evaluate(fake_result())
     assert all(c["ok"] is not False for c in checks.values()), {k: c for k, c in checks.items() if not c["ok"]}
@@ -813,6 +830,8 @@ def test_soak_end_to_end_against_a_stub_server(tmp_path):
     assert json.loads((out / "adaptive_config.json").read_text())["state_file"].endswith("controller_state.npz")
     assert "all checks passed" in proc.stdout
     assert sorted(res["mem_trace"]) == ["0", "1"] and "memory trace, instance 1" in proc.stdout  # per instance
+    assert [c["status"] for c in res["flush_cycles"]] == [200] * 4 and checks["flush_keeps_memory"]["ok"] is True
+    assert "flush cycles (status, scheduler RSS MB): 200 " in proc.stdout
 
 
 def test_http_bench_prompts_never_repeat_at_the_default_size():
