@@ -1166,10 +1166,7 @@ class Soak:
             res["idle_after_drain"] = self.idle_metrics(wait=max(1.0, min(a.idle_wait, self.left() - 60)),
                                                         used_max=base.get("sglang:kv_used_tokens") or 0)
             res["probe_after"] = self.probe()
-            try:
-                status, body = http_call(a.port, "POST", "/flush_cache?timeout=10", timeout=self.budget(20, 40))
-            except (OSError, http.client.HTTPException) as e:
-                status, body = None, classify_exception(e)
+            status, body = self.flush_idle(reserve=40)
             res["flush_after_drain"] = {"status": status, "body": body[:200]}
             res["idle_after_flush"] = self.idle_metrics(wait=2.0)
             res["probe_after_flush"] = self.probe()
@@ -1186,6 +1183,13 @@ class Soak:
             self.finish()
         return res
 
+    def flush_idle(self, reserve: float) -> tuple:
+        """/flush_cache on the drained server: (HTTP status, body), or (None, what went wrong)."""
+        try:
+            return http_call(self.a.port, "POST", "/flush_cache?timeout=10", timeout=self.budget(20, reserve))
+        except (OSError, http.client.HTTPException) as e:
+            return None, classify_exception(e)
+
     def flush_cycles(self, n: int) -> list:
         """``n`` times: the probes (something for the caches to hold), /flush_cache, then the scheduler's RSS. Stops
         early where too little time is left for the bad requests after it, or the server is down."""
@@ -1194,13 +1198,11 @@ class Soak:
             if self.left() < 80 or not self.server.alive():
                 break
             self.probe()
-            try:
-                status, _ = http_call(self.a.port, "POST", "/flush_cache?timeout=10", timeout=self.budget(20, 70))
-            except (OSError, http.client.HTTPException) as e:
-                status = classify_exception(e)
+            status, body = self.flush_idle(reserve=70)
             proc = self.server.proc
             rss = rss_by_role(proc.pid).get("scheduler") if proc is not None and proc.poll() is None else None
-            rows.append({"t": self.now(), "status": status, "scheduler_rss_mb": rss})
+            rows.append({"t": self.now(), "status": status, "error": None if status else body,
+                         "scheduler_rss_mb": rss})
         return rows
 
     def margins(self, res: dict) -> list:

@@ -4,11 +4,13 @@ rank verified), `MemTrace` (NGRAMSPEC_MEM_TRACE=FILE, where the scheduler's memo
 (NGRAMSPEC_STACKS_ON_SIGUSR1=1: every thread's stack on SIGUSR1)."""
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import json
 import logging
 import os
 import signal
+import sys
 import time
 import tracemalloc
 import zlib
@@ -284,6 +286,12 @@ class MemTrace:
         os.replace(tmp, self.path)
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (glibc >= 2.33)."""
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+
+
 def native_memory() -> dict:
     """Where this process's memory lies, in MB (a key is missing where its source is): resident pages by kind
     (/proc/self/smaps_rollup: ``anon``, ``file``, ``shmem``), glibc malloc's heap (``malloc_used``: in use, ``mmap``
@@ -299,12 +307,6 @@ def native_memory() -> dict:
     except (OSError, ValueError):
         pass
     try:
-        import ctypes
-
-        class _MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
-
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
         m = libc.mallinfo2()
@@ -313,8 +315,6 @@ def native_memory() -> dict:
     except (OSError, AttributeError):  # not glibc, or older than 2.33
         pass
     try:
-        import sys
-
         torch = sys.modules.get("torch")  # only where the process has it already
         stats = torch.cuda.memory.host_memory_stats() if torch is not None and torch.cuda.is_initialized() else {}
         for key, name in (("pinned_used", "allocated_bytes.current"), ("pinned_reserved", "reserved_bytes.current")):
