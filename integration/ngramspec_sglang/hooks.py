@@ -18,6 +18,10 @@ Handled here (through SGLang's `HookRegistry`, applied by `load_plugins()`):
   (`{"text": ""}`) or with an id outside the model's vocabulary gets SGLang's HTTP 400 instead of reaching the
   scheduler, whose forward would crash on it (SGLang 0.5.23 goes down on these; other algorithms keep that).
 
+- `Req._locate_str_stop_finished_len` (`finish_order.py`): under NGRAM_ADAPTIVE, a step that adds several tokens
+  holding two stops (two stop strings; an EOS before a stop string) ends the request at the first of them, as
+  plain decoding does; SGLang 0.5.23 takes the first stop string in the request's list.
+
 - `allocation_sizing.get_req_to_token_extra_context_len`: under NGRAM_ADAPTIVE, each request's row of SGLang's
   token-to-KV table gets room for what a decode step reserves (twice the largest width, the overlap's double
   buffer). SGLang 0.5.23 sizes that room so only for a page size above 1; at page size 1 it leaves 4 + the largest
@@ -114,6 +118,9 @@ def register_hooks() -> None:
     from .request_guard import VALIDATE_ONE_REQUEST, guard_request
 
     HookRegistry.register(VALIDATE_ONE_REQUEST, guard_request, HookType.AROUND)  # a no-op unless NGRAM_ADAPTIVE
+    from .finish_order import LOCATE_STOP, earliest_stop
+
+    HookRegistry.register(LOCATE_STOP, earliest_stop, HookType.AROUND)  # likewise
     from .sched_profile import register_profile_hooks
 
     register_profile_hooks()  # diagnosis only: NGRAMSPEC_SCHED_PROFILE=FILE
