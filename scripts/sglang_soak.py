@@ -52,7 +52,9 @@ never fails in B, and every bad request is answered in A as in B, or with a 400 
   server logs no "memory leak detected" / "double free" / "use-after-free" (SGLang checks the KV pool and the
   request table, req_to_token_pool, whenever it is idle).
 - rss_flat: the scheduler's RSS, a line fitted over the second half of each server instance's load window (those
-  with at least 6 samples), grows less than --rss-slope-limit MB/min.
+  with at least 6 samples), grows less than --rss-slope-limit MB/min. The same fit per kind of page (anonymous,
+  file, shared: /proc's smaps_rollup) is reported beside it, for plain decoding too: CUDA's pinned host memory,
+  which torch caches and never returns, is shared memory.
 - flush_keeps_memory: after the drain, --flush-cycles times the probes and then /flush_cache, the scheduler's RSS
   read after each flush: it grows by at most FLUSH_GROWTH_MB from the first such flush to the last (a flush that
   kept the old n-gram cache alive would add the cache's whole size, hundreds of MB at the default capacity, each
@@ -483,6 +485,29 @@ def rss_mb(pid: int) -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+SMAPS_KINDS = (("anon", "Anonymous"), ("file", "Pss_File"), ("shmem", "Pss_Shmem"))
+
+
+def rss_kinds(pid: int) -> dict[str, float] | None:
+    """A process's resident memory by kind in MB (/proc/PID/smaps_rollup): anonymous pages (the heap: Python,
+    malloc, numpy), file pages, shared memory (where the CUDA driver's pinned host memory appears)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            fields = {k: v for k, _, v in (line.partition(":") for line in f) if v.strip().endswith("kB")}
+        return {key: round(int(fields[name].split()[0]) / 1024, 1) for key, name in SMAPS_KINDS if name in fields}
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def scheduler_kinds(root: int) -> dict[str, float]:
+    """`rss_kinds` summed over the server's scheduler processes (one per TP rank)."""
+    out = Counter()
+    for pid in process_tree(root):
+        if process_role(pid, root) == "scheduler":
+            out.update(rss_kinds(pid) or {})
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def rss_by_role(root: int) -> dict[str, float]:
@@ -1012,6 +1037,7 @@ class Soak:
             try:
                 if proc is not None and proc.poll() is None:
                     row["rss"] = rss_by_role(proc.pid)
+                    row["scheduler_kinds"] = scheduler_kinds(proc.pid)
                 parsed = self.metrics() if self.gate.is_set() else None
                 if parsed:
                     row["m"] = tracked_values(parsed)
@@ -1295,9 +1321,17 @@ def rss_windows(res: dict) -> list[dict]:
         w1 = min([load[1]] + later)
         half = second_half(pts, w0, w1)
         slope = slope_per_min(half)
+        by_kind = {}  # the same fit for each kind of page: which kind grows
+        for key, _ in SMAPS_KINDS:
+            kind_pts = [(s["t"], s["scheduler_kinds"][key]) for s in res["samples"]
+                        if s["instance"] == inst and key in (s.get("scheduler_kinds") or {})]
+            kind_slope = slope_per_min(second_half(kind_pts, w0, w1))
+            if kind_slope is not None:
+                by_kind[key] = round(kind_slope, 3)
         out.append({"instance": inst, "window": [round(w0, 1), round(w1, 1)], "points": len(half),
                     "slope_mb_per_min": None if slope is None else round(slope, 3),
-                    "rss_mb_first": half[0][1] if half else None, "rss_mb_last": half[-1][1] if half else None})
+                    "rss_mb_first": half[0][1] if half else None, "rss_mb_last": half[-1][1] if half else None,
+                    "slope_by_kind": by_kind})
     return out
 
 
@@ -1421,8 +1455,9 @@ def print_table(res: dict) -> bool:
         rest = {k: v for k, v in c.items() if k not in ("ok", "windows", "answers", "events", "cycles")}
         print(f"  {name:24s} {ok:5s} {json.dumps(rest)[:300]}")
     for w in checks.get("rss_flat", {}).get("windows", []):
+        kinds = ", ".join(f"{k} {v}" for k, v in (w.get("slope_by_kind") or {}).items())
         print(f"  scheduler RSS, instance {w['instance']}: {w['rss_mb_first']} -> {w['rss_mb_last']} MB, "
-              f"{w['slope_mb_per_min']} MB/min over {w['points']} samples")
+              f"{w['slope_mb_per_min']} MB/min over {w['points']} samples" + (f" (of it: {kinds})" if kinds else ""))
     cycles = checks.get("flush_keeps_memory", {}).get("cycles")
     if cycles:
         print("  flush cycles (status, scheduler RSS MB): "

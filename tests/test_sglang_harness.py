@@ -513,6 +513,22 @@ def test_rss_slope(soak):
     assert half[0][0] == 150 and half[-1][0] == 295
 
 
+def test_rss_windows_split_the_growth_by_kind(soak):
+    """The RSS slope of each instance's window, and beside it which kind of page grows (here shared memory, as
+    CUDA's pinned host memory would): 6 MB/min in all, of it shmem 6, anon and file flat."""
+    samples = [{"t": t, "instance": 0, "rss": {"scheduler": 3000 + 0.1 * t},
+                "scheduler_kinds": {"anon": 2500.0, "file": 200.0, "shmem": 300 + 0.1 * t}} for t in range(0, 600, 10)]
+    samples += [{"t": 5.0, "instance": 0, "error": "lost"}]  # a sample without memory counts is left out
+    res = {"load_window": [0, 600], "samples": samples,
+           "instances": [{"instance": 0, "started": 0.0, "startup_s": 0.0, "ready_at": 0.0}]}
+    (w,) = soak.rss_windows(res)
+    assert math.isclose(w["slope_mb_per_min"], 6.0) and w["points"] == 30
+    assert w["slope_by_kind"] == {"anon": 0.0, "file": 0.0, "shmem": 6.0}
+    for s in samples:
+        s.pop("scheduler_kinds", None)  # an older result file: no split
+    assert soak.rss_windows(res)[0]["slope_by_kind"] == {}
+
+
 METRICS_TEXT = """# HELP sglang:num_running_reqs The number of running requests.
 # TYPE sglang:num_running_reqs gauge
 sglang:num_running_reqs{model_name="m",engine_type="unified",tp_rank="0"} 3.0
@@ -770,10 +786,12 @@ def test_process_tree_rss_and_helpers(soak, tmp_path):
         assert soak.process_role(child.pid, os.getpid()) == "scheduler"
         roles = soak.rss_by_role(os.getpid())
         assert roles["scheduler"] > 1 and roles["server"] > 1
+        kinds = soak.scheduler_kinds(os.getpid())
+        assert set(kinds) == {"anon", "file", "shmem"} and 0 < kinds["anon"] < roles["scheduler"]
     finally:
         child.kill()
         child.wait()
-    assert soak.rss_mb(-5) is None
+    assert soak.rss_mb(-5) is None and soak.rss_kinds(-5) is None
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 2048, "vocab_size": 777}))
     assert soak.model_limits(str(tmp_path)) == (2048, 777)
     assert soak.model_limits(str(tmp_path / "none")) == (8192, 49152)

@@ -296,7 +296,8 @@ def native_memory() -> dict:
     """Where this process's memory lies, in MB (a key is missing where its source is): resident pages by kind
     (/proc/self/smaps_rollup: ``anon``, ``file``, ``shmem``), glibc malloc's heap (``malloc_used``: in use, ``mmap``
     of it in blocks of their own; ``malloc_free``: held but free, fragmentation) and torch's cached pinned host
-    memory (``pinned_used``, ``pinned_reserved``, where torch keeps the counts)."""
+    memory (``pinned``: the blocks torch holds, in use or cached for reuse, which it does not give back;
+    ``pinned_active``: those in use; where torch keeps the counts). Pinned memory is resident as shared memory."""
     out: dict[str, float] = {}
     try:
         with open("/proc/self/smaps_rollup") as f:
@@ -317,7 +318,7 @@ def native_memory() -> dict:
     try:
         torch = sys.modules.get("torch")  # only where the process has it already
         stats = torch.cuda.memory.host_memory_stats() if torch is not None and torch.cuda.is_initialized() else {}
-        for key, name in (("pinned_used", "allocated_bytes.current"), ("pinned_reserved", "reserved_bytes.current")):
+        for key, name in (("pinned", "allocated_bytes.current"), ("pinned_active", "active_bytes.current")):
             if name in stats:
                 out[key] = round(stats[name] / 2**20, 1)
     except Exception:  # a torch without these counts
