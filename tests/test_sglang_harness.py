@@ -318,7 +318,18 @@ def test_analyze_report_and_cli(sc, tmp_path, capsys):
     assert not rows["ngram"]["passes"] and not rows["ngram"]["ok"]  # a changed distribution is caught
     assert rows["plain_t+0.05"]["ok"]  # informative only
     assert sc.spec_accept(results["adaptive"], "t07") == 3.0
+    assert sc.drafts_accepted(results["adaptive"], "t07", 8) and sc.drafts_accepted(results["plain"], "t07", 8) is None
     assert sc.print_report(results, report, 0.01, ["t07"]) is False
+    assert "NO draft accepted" not in capsys.readouterr().out
+    # a configuration whose samples were all decoded one token per step (8 tokens in 7 steps): its pass says nothing
+    idle = {k: v for k, v in results.items() if k != "ngram"}
+    idle["adaptive"] = {**results["adaptive"], "spec": {"t07": {"p": {"A": {"tokens": 8000, "verify_steps": 7000}}}}}
+    assert sc.drafts_accepted(idle["adaptive"], "t07", 8) is False
+    idle_report = sc.analyze(idle, tokens=8, alpha=0.01, broken_q=0.3)
+    assert idle_report["t07"]["adaptive"]["ok"]  # the distributions agree ...
+    assert sc.print_report(idle, idle_report, 0.01, ["t07"]) is False  # ... and the report still fails
+    assert "NO draft accepted over the samples at t07" in capsys.readouterr().out
+    sc.print_report(results, report, 0.01, ["t07"])
     out = capsys.readouterr().out
     assert "broken_verifier" in out and "FAIL" in out and "3.5" in out
     path = tmp_path / "sampling.json"
@@ -405,7 +416,7 @@ def test_sampling_check_child_with_a_fake_engine(sc, monkeypatch):
     a.samples, a.extra, a.temps = 5, "", "t07"
     sc.run_one("adaptive_w8", a)
     cfg = engines[0]["speculative_adaptive_config"]
-    assert json.loads(Path(cfg).read_text()) == {"fixed_width": 8}
+    assert json.loads(Path(cfg).read_text()) == {"fixed_width": 8, "draft_max_batch": None}  # every batch drafts
     assert engines[0]["max_total_tokens"] == 400000 and engines[0]["attention_backend"] == "triton"
     plain = results["plain"]
     assert set(plain["samples"]["t07"]["code_copy"]) == {"A", "B", "P"}
