@@ -297,7 +297,8 @@ def native_memory() -> dict:
     (/proc/self/smaps_rollup: ``anon``, ``file``, ``shmem``), glibc malloc's heap (``malloc_used``: in use, ``mmap``
     of it in blocks of their own; ``malloc_free``: held but free, fragmentation) and torch's cached pinned host
     memory (``pinned``: the blocks torch holds, in use or cached for reuse, which it does not give back;
-    ``pinned_active``: those in use; where torch keeps the counts). Pinned memory is resident as shared memory."""
+    ``pinned_active``: those in use; ``pinned_blocks``: how many blocks; where torch keeps the counts). Pinned memory
+    is resident as shared memory."""
     out: dict[str, float] = {}
     try:
         with open("/proc/self/smaps_rollup") as f:
@@ -321,6 +322,8 @@ def native_memory() -> dict:
         for key, name in (("pinned", "allocated_bytes.current"), ("pinned_active", "active_bytes.current")):
             if name in stats:
                 out[key] = round(stats[name] / 2**20, 1)
+        if "allocations.current" in stats:  # how many blocks: a few large copies or many small ones
+            out["pinned_blocks"] = int(stats["allocations.current"])
     except Exception:  # a torch without these counts
         pass
     return out

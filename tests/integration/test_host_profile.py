@@ -162,6 +162,25 @@ def test_the_memory_trace_names_the_site_that_grew(tmp_path):
     assert "test_host_profile.py:" in top["site"] and top["mb"] > 2.5 and top["count"] > 0
 
 
+def test_native_memory_reads_torchs_pinned_counts(monkeypatch):
+    """torch's pinned host memory (no GPU here: a stand-in for torch with its counters' names): blocks held, in use
+    and their number; a torch that has not started CUDA is not asked."""
+    import sys
+    from types import SimpleNamespace
+
+    from ngramspec_sglang.diagnostics import native_memory
+
+    stats = {"allocated_bytes.current": 64 * 2**20, "active_bytes.current": 2**20, "allocations.current": 5}
+    started = [True]
+    fake = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: started[0],
+                                                memory=SimpleNamespace(host_memory_stats=lambda: stats)))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    out = native_memory()
+    assert (out["pinned"], out["pinned_active"], out["pinned_blocks"]) == (64.0, 1.0, 5)
+    started[0] = False
+    assert not {"pinned", "pinned_active", "pinned_blocks"} & set(native_memory())
+
+
 def test_the_memory_trace_is_off_unless_asked(monkeypatch):
     from ngramspec_sglang.diagnostics import MemTrace
 
