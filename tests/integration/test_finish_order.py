@@ -144,6 +144,22 @@ def test_hook_is_registered_on_req():
     assert getattr(Req._locate_str_stop_finished_len, "__wrapped__", None) is not None
 
 
+@pytest.mark.sglang_server
+def test_the_registered_hook_ends_at_the_first_stop(monkeypatch):
+    """Through SGLang's own wrapper (as the scheduler calls it), NGRAM_ADAPTIVE served and not."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    import ngramspec_sglang
+
+    ngramspec_sglang.register()
+    HookRegistry.apply_hooks()
+    out, _ = run(make_req(stop=["ret", ";"]), ids("ab; reta"), [2, 6])
+    assert Tok().decode(out) == "ab; ret"  # nothing published here: SGLang's answer
+    monkeypatch.setattr(finish_order, "applies", lambda: True)
+    out, reason = run(make_req(stop=["ret", ";"]), ids("ab; reta"), [2, 6])
+    assert Tok().decode(out) == "ab;" and reason == ("FINISH_MATCHED_STR", ";")
+
+
 def test_applies_reads_the_served_algorithm(monkeypatch):
     from types import SimpleNamespace
 
