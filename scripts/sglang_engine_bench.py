@@ -35,6 +35,7 @@ import faulthandler
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -393,6 +394,18 @@ def run_one(name: str, a) -> dict:
                     out["runs"][f"{set_name}/c{conc}"] = run
                     if not run["new_triton_kernels"]:
                         break
+                run = out["runs"][f"{set_name}/c{conc}"]
+                if conc > 1 and a.repeats > 1:  # short sets: again from a flushed, re-warmed server, for the spread
+                    run["tok_s_repeats"] = [run["tok_s"]]
+                    run["accept_len_repeats"] = [run["accept_len"]]
+                    for _ in range(a.repeats - 1):
+                        engine.flush_cache()
+                        for _ in range(a.warmup):
+                            engine.generate(warm, sampling)
+                            engine.generate(warm_copy, sampling)
+                        again = timed_run(engine, prompts, sampling, conc, prof, sched)
+                        run["tok_s_repeats"].append(again["tok_s"])
+                        run["accept_len_repeats"].append(again["accept_len"])
     finally:
         engine.shutdown()
     return out
@@ -551,6 +564,9 @@ def main() -> int:
                    help="put every prompt (timed and warm-up) behind the same long system prompt of this many tokens "
                         "(this repository's source), so each step attends over a long context, as in agents' "
                         "requests (e.g. 4000; the radix cache holds it after the warm-up)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time each set at concurrency > 1 this many times, each from a flushed, re-warmed server "
+                        "(those sets last about a second); tok_s stays the first pass's, tok_s_repeats has all")
     p.add_argument("--kernel-profile", type=int, metavar="STEPS", default=0,
                    help="after each timed set, split STEPS decode steps of an untimed pass by GPU kernel "
                         "(NGRAMSPEC_KERNEL_PROFILE; NGRAM_ADAPTIVE configurations; e.g. 32)")
@@ -598,6 +614,15 @@ def main() -> int:
                 sc = r.get("scheduler") or {}
                 print(f"{name:14s} {run:9s} " + " ".join(
                     f"{sc[p]:12.4f}" if sc.get(p) is not None else f"{'-':>12s}" for p in phases))
+    if any(r.get("tok_s_repeats") for res in results.values() for r in res.get("runs", {}).values()):
+        print("\nrepeated sets: tok/s of each pass (x plain: medians' ratio)")
+        for name, res in results.items():
+            for run, r in res.get("runs", {}).items():
+                reps = r.get("tok_s_repeats")
+                ref = (base.get(run) or {}).get("tok_s_repeats")
+                if reps:
+                    ratio = statistics.median(reps) / statistics.median(ref) if ref else float("nan")
+                    print(f"{name:14s} {run:9s} {' '.join(f'{x:8.1f}' for x in reps)}  x plain {ratio:6.3f}")
     for name, res in results.items():
         for run, r in res.get("runs", {}).items():
             kinds = (r.get("profile") or {}).get("host_ms_by_kind")

@@ -25,6 +25,7 @@ DEFAULT_TP_SYNC_INTERVAL = 8
 DEFAULT_STATE_SAVE_MINUTES = 10.0
 DEFAULT_PLAIN_FORWARDS = 4
 DEFAULT_PLAIN_FORWARDS_MAX_BATCH = 1
+DEFAULT_PINNED_CACHE_MB = 64
 
 # SGLang `--speculative-ngram-*` options we do not use, with the reason shown to the user.
 IGNORED_NGRAM_OPTIONS = {
@@ -83,6 +84,10 @@ ADAPTIVE_CONFIG_KEYS = {
     "split_kv_verify": "experimental, default false: a verify's attention splits each request's prefix over many "
                        "GPU programs, as a decode step's does, instead of SGLang's prefill kernel (one program per "
                        "request and head walking the whole prefix); trees and chains; Triton attention only",
+    "pinned_cache_mb": "the most pinned host memory (MB) torch may keep cached but unused in the scheduler: above it "
+                       "the unused blocks go back to the driver (checked every 256 decode steps, and at a cache "
+                       "flush). A verify's host buffers grow with batch x width, and torch never returns pinned "
+                       f"blocks on its own. Default {DEFAULT_PINNED_CACHE_MB}; null: no cap",
     "width_cycle": "diagnostic: verify at these widths in turn, one step each, drafting what fits (a sweep of "
                    "the step cost by width: the NGRAMSPEC_PROFILE durations); replaces the controller",
 }
@@ -115,6 +120,7 @@ class AdaptiveConfig:
     draft_max_batch: int | None = DEFAULT_DRAFT_MAX_BATCH
     device_drafts: int = 0
     split_kv_verify: bool = False
+    pinned_cache_mb: float | None = DEFAULT_PINNED_CACHE_MB
     plain_forwards_auto: bool = field(default=False, init=False)
 
     def __post_init__(self):
@@ -175,6 +181,9 @@ class AdaptiveConfig:
             raise ValueError(f"device_drafts must be an int >= 0, got {self.device_drafts!r}")
         if not isinstance(self.split_kv_verify, bool):
             raise ValueError(f"split_kv_verify must be true or false, got {self.split_kv_verify!r}")
+        m = self.pinned_cache_mb
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < float("inf")):
+            raise ValueError(f"pinned_cache_mb must be a number >= 0 or null, got {m!r}")
         if self.device_drafts and self.recycle:
             raise ValueError("device_drafts and recycle do not go together (device drafts are not recorded for "
                              "recycling); drop one")
@@ -271,4 +280,5 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         draft_max_batch=data.get("draft_max_batch", DEFAULT_DRAFT_MAX_BATCH),
         device_drafts=data.get("device_drafts", AdaptiveConfig.device_drafts),
         split_kv_verify=data.get("split_kv_verify", AdaptiveConfig.split_kv_verify),
+        pinned_cache_mb=data.get("pinned_cache_mb", DEFAULT_PINNED_CACHE_MB),
     )

@@ -52,6 +52,7 @@ from .diagnostics import DraftLog, HostProfile, MemTrace, stacks_on_sigusr1
 from .drafting import DraftPlanner
 from .host_seq_lens import set_cpu_seq_lens_need
 from .kernel_profile import KernelProfile
+from .pinned_cache import PinnedCacheCap
 from .relay import request_views
 from .sampling_fallback import install_if_needed as install_sampling_fallback
 from .state import StateKeeper
@@ -114,6 +115,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._kprof = KernelProfile.from_env(self._tp_group.rank_in_group,
                                              None if _is_cpu else torch.get_device_module(self.device).synchronize)
         self._memtrace = MemTrace.from_env(self._tp_group.rank_in_group)
+        self._pinned = None if _is_cpu else PinnedCacheCap.for_torch(self.config.pinned_cache_mb)
         self._fwd_marks = [None, None]  # device marks around the last forward call (profile only)
         self._timer = StepTimer.for_device(
             self._record_duration, None if _is_cpu else torch.get_device_module(self.device),
@@ -247,6 +249,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._next_roots = None
         self._last_width = None
         self._topk_pending.clear()
+        if self._pinned is not None:
+            self._pinned.trim(force=True)
 
     def add_external_corpus(self, corpus_id, token_chunks):
         raise NotImplementedError("NGRAM_ADAPTIVE has no external corpus; use --speculative-algorithm NGRAM")
@@ -292,6 +296,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             self._kprof.before_step()
         if self._memtrace is not None:
             self._memtrace.tick()
+        if self._pinned is not None:
+            self._pinned.step()
         if self._state is not None:
             self._state.maybe_save(self.planner.controller)  # rank 0, every state_save_minutes
         fwd_stream = torch.get_device_module(self.device).current_stream()

@@ -205,6 +205,7 @@ def test_the_kernel_profile_splits_one_window_of_decode_steps(results, name):
     k = r["kernel_profile"]
     assert r["kernel_windows"] == 1 and not r["kernel_start_left"]
     assert r["memtrace_ticks"] == r["steps"]  # NGRAMSPEC_MEM_TRACE's hook runs at every decode step
+    assert r["pinned_trims"] == r["steps"]  # so does the pinned cache's cap (here: over it at every check)
     assert k["steps"] == 6 and sum(k["widths"].values()) == 6 == sum(k["batch_sizes"].values())
     assert k["forwards"] >= 6 and k["prefills_in_window"] == 0
     assert k["kernels"] and k["gpu_ms_per_step"] > 0

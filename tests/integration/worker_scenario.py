@@ -272,6 +272,17 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
                              kernels_of=lambda prof: [(e.name, e.time_range.elapsed_us()) for e in prof.events()])
     w._memtrace = SimpleNamespace(ticks=0)  # NGRAMSPEC_MEM_TRACE's hook: counts the decode steps that call it
     w._memtrace.tick = lambda: setattr(w._memtrace, "ticks", w._memtrace.ticks + 1)
+    from ngramspec_sglang.pinned_cache import PinnedCacheCap
+
+    # `pinned_cache_mb`'s cap, the real one, over a host allocator whose unused cache grows by 1 MB at every check
+    pinned = {"checks": 0}
+
+    def pinned_stats():
+        pinned["checks"] += 1
+        return {"allocated_bytes.current": pinned["checks"] << 20, "active_bytes.current": 0}
+
+    w._pinned = PinnedCacheCap(0.0, pinned_stats, lambda: None, every=1)
+    w._pinned.checks = pinned
     w._fwd_marks = [None, None]
     w._timer = SimpleNamespace(harvest=lambda: None, step_launched=lambda *a: None, interrupt=lambda: None)
     w._drafted_last = False
@@ -488,7 +499,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
                              if worker.planner.recycle_table is not None else 0),
            "stats": dict(worker.planner.stats.__dict__), "kernel_profile": kernels,
            "kernel_start_left": kernel_start_left, "kernel_windows": worker._kprof.windows,
-           "memtrace_ticks": worker._memtrace.ticks}
+           "memtrace_ticks": worker._memtrace.ticks, "pinned_trims": worker._pinned.trims}
     outputs_before_flush = [list(r.output_ids) for r in reqs]
     # SGLang's /flush_cache on the idle server: the old planner, its cache and its controller must be freed at once
     # (the cyclic collector may not run for a long time in a server), and nothing served is touched

@@ -1,0 +1,68 @@
+"""`PinnedCacheCap`: keeps the scheduler's cache of pinned host memory under a cap (`pinned_cache_mb`).
+
+torch keeps every pinned host block it ever allocated (sizes rounded up to a power of two) and hands it out again
+for a request of the same size class; it gives none back. A verify step's host buffers scale with batch x width
+(for example SGLang's grammar bitmask, one 6 KB row per verified token of the whole batch), so a server that drafts at many
+widths and batch sizes collects blocks of many size classes: in a 10-minute soak the scheduler's pinned cache grew
+from 14 to 174 MB, resident as shared memory, and stayed there. Plain decoding's buffers scale with the batch alone.
+
+Every `every` decode steps the cap reads torch's host allocator counts; where the blocks held but not in use exceed
+the cap, it returns them (`torch._C._host_emptyCache`; freeing pinned memory may wait for the work queued on the
+device, so a trim can cost one step's wait). Blocks in use are never touched. A cache flush returns them all.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+MB = 2**20
+
+
+class PinnedCacheCap:
+    def __init__(self, limit_mb: float, stats: Callable[[], dict], empty: Callable[[], None], every: int = 256):
+        self.limit_bytes = float(limit_mb) * MB
+        self.every = int(every)
+        self._stats = stats
+        self._empty = empty
+        self._steps = 0
+        self.trims = 0
+        self.returned_bytes = 0
+
+    @classmethod
+    def for_torch(cls, limit_mb: Optional[float], every: int = 256) -> Optional["PinnedCacheCap"]:
+        """The cap on this process's torch, or None where there is no cap, no CUDA, or a torch without the counts."""
+        if limit_mb is None:
+            return None
+        import torch
+
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        stats = getattr(torch.cuda, "host_memory_stats", None)
+        if empty is None or stats is None or not torch.cuda.is_available():
+            return None
+        return cls(limit_mb, stats, empty, every)
+
+    def cached_bytes(self) -> int:
+        """Pinned bytes torch holds but nobody uses (0 where the counts are missing)."""
+        s = self._stats()
+        return max(0, int(s.get("allocated_bytes.current", 0)) - int(s.get("active_bytes.current", 0)))
+
+    def step(self) -> bool:
+        """Count a decode step; every `every` steps, trim if over the cap. True if it trimmed."""
+        self._steps += 1
+        if self._steps % self.every:
+            return False
+        return self.trim()
+
+    def trim(self, force: bool = False) -> bool:
+        """Return the unused blocks if they exceed the cap (any at all with `force`, e.g. at a cache flush)."""
+        cached = self.cached_bytes()
+        if cached <= 0 or (not force and cached <= self.limit_bytes):
+            return False
+        self._empty()
+        self.trims += 1
+        self.returned_bytes += cached - self.cached_bytes()
+        if self.trims == 1 or self.trims % 20 == 0:
+            logger.info("NGRAM_ADAPTIVE: returned cached pinned host memory to the driver (%d times, %.1f MB in all; "
+                        "cap %.0f MB)", self.trims, self.returned_bytes / MB, self.limit_bytes / MB)
+        return True
