@@ -2,9 +2,10 @@
 
 torch keeps every pinned host block it ever allocated (sizes rounded up to a power of two) and hands it out again
 for a request of the same size class; it gives none back. A verify step's host buffers scale with batch x width
-(for example SGLang's grammar bitmask, one 6 KB row per verified token of the whole batch), so a server that drafts at many
-widths and batch sizes collects blocks of many size classes: in a 10-minute soak the scheduler's pinned cache grew
-from 14 to 174 MB, resident as shared memory, and stayed there. Plain decoding's buffers scale with the batch alone.
+(for example SGLang's grammar bitmask, one 6 KB row per verified token of the whole batch), so a server that
+drafts at many widths and batch sizes collects blocks of many size classes: in a 10-minute soak the scheduler's
+pinned cache grew from 14 to 174 MB, resident as shared memory, and stayed there. Plain decoding's buffers scale
+with the batch alone.
 
 Every `every` decode steps the cap reads torch's host allocator counts; where the blocks held but not in use exceed
 the cap, it returns them (`torch._C._host_emptyCache`; freeing pinned memory may wait for the work queued on the
@@ -38,8 +39,13 @@ class PinnedCacheCap:
 
         empty = getattr(torch._C, "_host_emptyCache", None)
         stats = getattr(torch.cuda, "host_memory_stats", None)
-        if empty is None or stats is None or not torch.cuda.is_available():
+        if not torch.cuda.is_available():
             return None
+        if empty is None or stats is None:
+            logger.info("NGRAM_ADAPTIVE: this torch (%s) cannot return cached pinned host memory: no cap",
+                        torch.__version__)
+            return None
+        logger.info("NGRAM_ADAPTIVE: cached pinned host memory capped at %.0f MB", float(limit_mb))
         return cls(limit_mb, stats, empty, every)
 
     def cached_bytes(self) -> int:
