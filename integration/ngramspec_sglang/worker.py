@@ -237,9 +237,19 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         if self._profile is not None:
             self._profile.fold(self.planner.stats)
             self._profile.controller = None  # the new planner's comes with its first step
+        # what the controller learned (step costs by width and batch, acceptance calibration) is about the model and
+        # the machine, not the cached text: the new planner starts from it
+        learned = getattr(self.planner.controller, "state_dict", None)
+        learned = learned() if learned is not None else None
         self.planner = None  # the old cache (hundreds of MB at the default capacity) goes before the new one comes
         self.planner = self._new_planner()
-        if self._state is not None:
+        if learned is not None:
+            try:
+                self.planner.controller.load_state_dict(learned)
+            except ValueError as e:  # not expected: the same config builds the same controller
+                logger.warning("NGRAM_ADAPTIVE: the controller's learned state was not kept across the flush: %s", e)
+                learned = None
+        if learned is None and self._state is not None:
             self._state.load(self.planner.controller)
         self._prev_decode_rids = set()
         self._relayed_rids = set()

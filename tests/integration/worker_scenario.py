@@ -506,14 +506,22 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     del worker.planner.plan  # this scenario's counting wrapper, which holds the planner
     plan = None  # and the planner's own method it wraps
     old = [weakref.ref(worker.planner), weakref.ref(worker.planner.cache), weakref.ref(worker.planner.controller)]
+    learned = getattr(worker.planner.controller, "state_dict", lambda: None)()
     gc.disable()
     try:
         worker.clear_cache_pool()
         flush_freed = [w() is None for w in old]
     finally:
         gc.enable()
+    kept = getattr(worker.planner.controller, "state_dict", lambda: None)()
+    learned_kept = None if learned is None else (
+        kept is not None and learned.keys() == kept.keys()
+        and all(np.array_equal(learned[k], kept[k], equal_nan=learned[k].dtype.kind == "f") for k in learned)
+        and int(learned["counters"][0]) > 0)
     res.update(flush_freed=flush_freed, outputs_kept_by_flush=outputs_before_flush == [r.output_ids for r in reqs],
-               planner_after_flush_empty=not worker.planner.tracked_requests)
+               planner_after_flush_empty=not worker.planner.tracked_requests, learned_kept=learned_kept,
+               cache_after_flush_empty=worker.planner.cache.stats()["shared_tokens_held"] == 0
+               and worker.planner.cache.stats()["local_nodes_live"] == 0)
     return res
 
 
