@@ -19,11 +19,14 @@ passes of both sets at that concurrency: a run of a second or two otherwise pays
 new prefill, batch and verify shapes inside its figure (copy-heavy traffic is what makes a drafting configuration
 verify wide at that batch size). Every configuration gets the same warm-up. The concurrency levels time the same
 prompts, so before each level after the first the server's caches are flushed (`Engine.flush_cache`: the radix
-cache, SGLang's n-gram corpus, NGRAM_ADAPTIVE's cache and controller); without it an n-gram cache would hold the
-earlier level's outputs of the very prompts it times (`--no-flush` keeps them, as runs before this option did).
+cache, SGLang's n-gram corpus, NGRAM_ADAPTIVE's cache; its controller keeps what it learned); without it an n-gram
+cache would hold the earlier level's outputs of the very prompts it times (`--no-flush` keeps them, as runs before
+this option did).
 Kernels that Triton still compiles during a timed set are listed per set (``new_triton_kernels``: new entries in
 TRITON_CACHE_DIR, default ~/.triton/cache); such a set is timed again once from a flushed and re-warmed server
-(``--retry-compiled``), since a build of a few seconds dwarfs a set of a few seconds.
+(``--retry-compiled``), since a build of a few seconds dwarfs a set of a few seconds. `--repeats N` times each set at
+concurrency > 1 N times, each from a flushed and re-warmed server (``tok_s_repeats``), for the spread of sets that
+last about a second.
 
 Prompts: two built-in sets, chat-formatted with the model's template: `copy` (code edits, reformatting,
 repetition: output copies much of the prompt) and `free` (open questions and creative writing).

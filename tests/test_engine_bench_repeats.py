@@ -1,0 +1,110 @@
+"""`scripts/sglang_engine_bench.py --repeats`: the sets at concurrency > 1 timed again, each from a flushed and
+re-warmed server, on a stand-in for `sglang.Engine` (the script's flow on the CPU, before a GPU call depends on it)."""
+import importlib.util
+import json
+import statistics
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sglang_engine_bench.py"
+
+
+class FakeEngine:
+    """Answers every prompt with 8 tokens in 4 verify steps; records the calls."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls = []
+
+    def generate(self, prompts, sampling):
+        self.calls.append(("generate", len(prompts) if isinstance(prompts, list) else 1))
+        one = {"text": "x", "output_ids": list(range(8)), "meta_info": {"completion_tokens": 8, "spec_verify_ct": 4}}
+        return [dict(one) for _ in prompts] if isinstance(prompts, list) else one
+
+    def flush_cache(self):
+        self.calls.append(("flush", 0))
+
+    def shutdown(self):
+        self.calls.append(("shutdown", 0))
+
+
+@pytest.fixture
+def bench(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("sglang_engine_bench_repeats", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    engines = []
+
+    def make(**kwargs):
+        engines.append(FakeEngine(**kwargs))
+        return engines[-1]
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=make))
+    monkeypatch.setattr(module, "chat_prompts", lambda model, prompts, pre=0: list(prompts))
+    monkeypatch.setattr(module, "prompt_ids", lambda model, sets: {k: [[1]] * len(v) for k, v in sets.items()})
+    monkeypatch.setattr(module, "triton_kernels", set)
+    monkeypatch.setattr(module.time, "sleep", lambda s: None)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    for key in ("NGRAMSPEC_PROFILE", "NGRAMSPEC_SCHED_PROFILE"):  # run_one sets them: restored after the test
+        monkeypatch.setenv(key, "")
+    return module, engines
+
+
+def args(repeats):
+    return SimpleNamespace(model="m", dtype="float16", extra="", kernel_profile=0, sched_profile=False, tp=1,
+                           concurrency=[1, 4], max_new_tokens=8, preamble_tokens=0, prompts_per_set=3, warm_prompts=2,
+                           no_flush=False, retry_compiled=1, warmup=1, repeats=repeats)
+
+
+def test_each_set_at_concurrency_above_one_is_timed_again_from_a_flushed_warm_server(bench):
+    module, engines = bench
+    out = module.run_one("plain", args(3))
+    calls = engines[0].calls
+    for key, run in out["runs"].items():
+        if key.endswith("/c1"):
+            assert "tok_s_repeats" not in run
+        else:
+            assert len(run["tok_s_repeats"]) == 3 and run["tok_s_repeats"][0] == run["tok_s"]
+            assert run["accept_len_repeats"] == [2.0, 2.0, 2.0]
+    # one flush between the levels, then two per c4 set before its repeats; each repeat re-warms (2 batches) first
+    assert sum(1 for c in calls if c[0] == "flush") == 1 + 2 * 2
+    flushes = [i for i, c in enumerate(calls) if c[0] == "flush"][1:]
+    assert all(calls[i + 1] == ("generate", 2) and calls[i + 2] == ("generate", 2) and calls[i + 3] == ("generate", 3)
+               for i in flushes)
+
+
+def test_one_pass_by_default(bench):
+    module, engines = bench
+    out = module.run_one("plain", args(1))
+    assert all("tok_s_repeats" not in run for run in out["runs"].values())
+    assert sum(1 for c in engines[0].calls if c[0] == "flush") == 1
+
+
+def test_the_summary_prints_each_pass_and_the_medians_ratio(bench, monkeypatch, tmp_path, capsys):
+    module, engines = bench
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["bench", "--model", "m", "--out", str(out), "--configs", "plain,adaptive",
+                                      "--concurrency", "1", "4", "--prompts-per-set", "3", "--repeats", "2"])
+    monkeypatch.setattr(module, "run_child", lambda script, name, timeout, logs: module.run_one(name, module.a_seen))
+    real_parse = module.argparse.ArgumentParser.parse_args
+
+    def parse(self, *a, **k):
+        module.a_seen = real_parse(self, *a, **k)
+        return module.a_seen
+
+    monkeypatch.setattr(module.argparse.ArgumentParser, "parse_args", parse)
+    assert module.main() == 0
+    text = capsys.readouterr().out
+    assert "repeated sets" in text
+    lines = [line for line in text.splitlines() if line.startswith("adaptive") and "x plain" in line]
+    res = json.loads(out.read_text())
+    assert len(lines) == 2
+    for line in lines:
+        run = line.split()[1]
+        want = (statistics.median(res["adaptive"]["runs"][run]["tok_s_repeats"])
+                / statistics.median(res["plain"]["runs"][run]["tok_s_repeats"]))
+        assert float(line.split()[-1]) == pytest.approx(want, abs=6e-4)
