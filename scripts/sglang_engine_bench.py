@@ -367,6 +367,12 @@ def run_one(name: str, a) -> dict:
     out = {"config": name, "startup_s": round(startup, 1), "runs": {}, "preamble_tokens": pre,
            "prompt_ids": prompt_ids(a.model, sets),
            "warm_prompt_ids": prompt_ids(a.model, {"free": warm, "copy": warm_copy})}
+
+    def warm_batches():
+        for _ in range(a.warmup):
+            engine.generate(warm, sampling)
+            engine.generate(warm_copy, sampling)
+
     try:
         for prompt in warm + warm_copy:  # untimed, one at a time: prefill and verify shapes meet first-time costs
             engine.generate(prompt, {"temperature": 0, "max_new_tokens": 64})
@@ -382,9 +388,7 @@ def run_one(name: str, a) -> dict:
                             for prompt in warm + warm_copy:
                                 engine.generate(prompt, {"temperature": 0, "max_new_tokens": 64})
                     if conc > 1:  # untimed, other prompts: batch shapes meet first-time costs here, not in the figure
-                        for _ in range(a.warmup):
-                            engine.generate(warm, sampling)
-                            engine.generate(warm_copy, sampling)
+                        warm_batches()
                     kernels = triton_kernels()
                     run = timed_run(engine, prompts, sampling, conc, prof, sched)
                     run["new_triton_kernels"] = [triton_entry(entry) for entry in sorted(triton_kernels() - kernels)]
@@ -403,9 +407,7 @@ def run_one(name: str, a) -> dict:
                     run["accept_len_repeats"] = [run["accept_len"]]
                     for _ in range(a.repeats - 1):
                         engine.flush_cache()
-                        for _ in range(a.warmup):
-                            engine.generate(warm, sampling)
-                            engine.generate(warm_copy, sampling)
+                        warm_batches()
                         again = timed_run(engine, prompts, sampling, conc, prof, sched)
                         run["tok_s_repeats"].append(again["tok_s"])
                         run["accept_len_repeats"].append(again["accept_len"])

@@ -282,7 +282,6 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
         return {"allocated_bytes.current": pinned["checks"] << 20, "active_bytes.current": 0}
 
     w._pinned = PinnedCacheCap(0.0, pinned_stats, lambda: None, every=1)
-    w._pinned.checks = pinned
     w._fwd_marks = [None, None]
     w._timer = SimpleNamespace(harvest=lambda: None, step_launched=lambda *a: None, interrupt=lambda: None)
     w._drafted_last = False
