@@ -403,14 +403,18 @@ def run_one(name: str, a) -> dict:
                         break
                 run = out["runs"][f"{set_name}/c{conc}"]
                 if conc > 1 and a.repeats > 1:  # short sets: again from a flushed, re-warmed server, for the spread
-                    run["tok_s_repeats"] = [run["tok_s"]]
-                    run["accept_len_repeats"] = [run["accept_len"]]
+                    passes = [run]
                     for _ in range(a.repeats - 1):
                         engine.flush_cache()
                         warm_batches()
-                        again = timed_run(engine, prompts, sampling, conc, prof, sched)
-                        run["tok_s_repeats"].append(again["tok_s"])
-                        run["accept_len_repeats"].append(again["accept_len"])
+                        kernels = triton_kernels()
+                        passes.append(timed_run(engine, prompts, sampling, conc, prof, sched))
+                        passes[-1]["new_triton_kernels"] = [triton_entry(e) for e in sorted(triton_kernels() - kernels)]
+                    # per pass: an outlier says whether a kernel build or longer steps (the period) made it slow
+                    run["tok_s_repeats"] = [r["tok_s"] for r in passes]
+                    run["accept_len_repeats"] = [r["accept_len"] for r in passes]
+                    run["period_ms_repeats"] = [(r["scheduler"] or {}).get("period_ms") for r in passes]
+                    run["new_triton_kernels_repeats"] = [r["new_triton_kernels"] for r in passes]
     finally:
         engine.shutdown()
     return out
@@ -538,56 +542,8 @@ def run_child(script: str, name: str, timeout: float, logs: str | None, grace: f
     return res
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--prompts-per-set", type=int, default=16)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--configs", default="plain,ngram,adaptive,adaptive_w1")
-    p.add_argument("--extra", default="", help="JSON object of extra sglang.Engine arguments for every config")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
-    p.add_argument("--logs", help="folder for each configuration's server log (stderr)")
-    p.add_argument("--retry-compiled", type=int, default=1,
-                   help="times a set is timed again (from a flushed, re-warmed server) when Triton compiled kernels "
-                        "during it: a build takes seconds, a set lasts a few (default 1; the first try is kept as "
-                        "compiled_first_try)")
-    p.add_argument("--no-flush", action="store_true",
-                   help="keep the caches between concurrency levels (by default each level after the first starts "
-                        "from a flushed server: its prompts are the same, and an n-gram cache would hold their "
-                        "outputs from the earlier level)")
-    p.add_argument("--warm-prompts", type=int, default=16,
-                   help="prompts of each warm-up set generated once, one at a time, before timing (default 16)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed passes of the warm-up prompts before each timed set at concurrency > 1")
-    p.add_argument("--sched-profile", action="store_true",
-                   help="time the scheduler's phases per decode step (NGRAMSPEC_SCHED_PROFILE), every config")
-    p.add_argument("--preamble-tokens", type=int, default=0,
-                   help="put every prompt (timed and warm-up) behind the same long system prompt of this many tokens "
-                        "(this repository's source), so each step attends over a long context, as in agents' "
-                        "requests (e.g. 4000; the radix cache holds it after the warm-up)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="time each set at concurrency > 1 this many times, each from a flushed, re-warmed server "
-                        "(those sets last about a second); tok_s stays the first pass's, tok_s_repeats has all")
-    p.add_argument("--kernel-profile", type=int, metavar="STEPS", default=0,
-                   help="after each timed set, split STEPS decode steps of an untimed pass by GPU kernel "
-                        "(NGRAMSPEC_KERNEL_PROFILE; NGRAM_ADAPTIVE configurations; e.g. 32)")
-    p.add_argument("--one", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.one:
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_child's timeout: where it hangs
-        print("RESULT " + json.dumps(run_one(a.one, a)), flush=True)
-        return 0
-    results = {}
-    for name in a.configs.split(","):
-        results[name] = res = run_child(__file__, name, a.timeout, a.logs)
-        if "error" in res:
-            print(f"{name}: {res['error']}\n{res.get('stderr_tail', '')}", flush=True)
-        with open(a.out, "w") as f:
-            json.dump(results, f)
+def print_summary(results: dict) -> None:
+    """The tables of a run from its results (also of a run cut short: `--summary OUT.json`)."""
     base = results.get("plain", {}).get("runs", {})
     print(f"\n{'config':14s} {'run':9s} {'tok/s':>8s} {'x plain':>8s} {'accept':>7s} {'width':>6s} "
           f"{'host ms':>8s} {'wait ms':>8s} {'fwd/step':>8s} {'identical':>10s}")
@@ -627,7 +583,11 @@ def main() -> int:
                 ref = (base.get(run) or {}).get("tok_s_repeats")
                 if reps:
                     ratio = statistics.median(reps) / statistics.median(ref) if ref else float("nan")
-                    print(f"{name:14s} {run:9s} {' '.join(f'{x:8.1f}' for x in reps)}  x plain {ratio:6.3f}")
+                    periods = " ".join("-" if p is None else f"{p:.2f}" for p in r.get("period_ms_repeats") or [])
+                    built = [k for ks in r.get("new_triton_kernels_repeats") or [] for k in ks]
+                    print(f"{name:14s} {run:9s} {' '.join(f'{x:8.1f}' for x in reps)}  x plain {ratio:6.3f}"
+                          + (f"  period ms {periods}" if periods.strip("- ") else "")
+                          + (f"  Triton built: {built}" if built else ""))
     for name, res in results.items():
         for run, r in res.get("runs", {}).items():
             kinds = (r.get("profile") or {}).get("host_ms_by_kind")
@@ -653,6 +613,67 @@ def main() -> int:
             ctl = (r.get("profile") or {}).get("controller")
             if ctl:
                 print(f"controller {name} {run}: {json.dumps(ctl)}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model folder (required unless --summary)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompts-per-set", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--configs", default="plain,ngram,adaptive,adaptive_w1")
+    p.add_argument("--extra", default="", help="JSON object of extra sglang.Engine arguments for every config")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+    p.add_argument("--logs", help="folder for each configuration's server log (stderr)")
+    p.add_argument("--retry-compiled", type=int, default=1,
+                   help="times a set is timed again (from a flushed, re-warmed server) when Triton compiled kernels "
+                        "during it: a build takes seconds, a set lasts a few (default 1; the first try is kept as "
+                        "compiled_first_try)")
+    p.add_argument("--no-flush", action="store_true",
+                   help="keep the caches between concurrency levels (by default each level after the first starts "
+                        "from a flushed server: its prompts are the same, and an n-gram cache would hold their "
+                        "outputs from the earlier level)")
+    p.add_argument("--warm-prompts", type=int, default=16,
+                   help="prompts of each warm-up set generated once, one at a time, before timing (default 16)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed passes of the warm-up prompts before each timed set at concurrency > 1")
+    p.add_argument("--sched-profile", action="store_true",
+                   help="time the scheduler's phases per decode step (NGRAMSPEC_SCHED_PROFILE), every config")
+    p.add_argument("--preamble-tokens", type=int, default=0,
+                   help="put every prompt (timed and warm-up) behind the same long system prompt of this many tokens "
+                        "(this repository's source), so each step attends over a long context, as in agents' "
+                        "requests (e.g. 4000; the radix cache holds it after the warm-up)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time each set at concurrency > 1 this many times, each from a flushed, re-warmed server "
+                        "(those sets last about a second); tok_s stays the first pass's, tok_s_repeats has all")
+    p.add_argument("--kernel-profile", type=int, metavar="STEPS", default=0,
+                   help="after each timed set, split STEPS decode steps of an untimed pass by GPU kernel "
+                        "(NGRAMSPEC_KERNEL_PROFILE; NGRAM_ADAPTIVE configurations; e.g. 32)")
+    p.add_argument("--summary", action="store_true",
+                   help="print the tables of an earlier run's --out file (one cut short too) and exit")
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.summary:
+        with open(a.out) as f:
+            print_summary(json.load(f))
+        return 0
+    if a.one:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_child's timeout: where it hangs
+        print("RESULT " + json.dumps(run_one(a.one, a)), flush=True)
+        return 0
+    if not a.model:
+        p.error("--model is required")
+    results = {}
+    for name in a.configs.split(","):
+        results[name] = res = run_child(__file__, name, a.timeout, a.logs)
+        if "error" in res:
+            print(f"{name}: {res['error']}\n{res.get('stderr_tail', '')}", flush=True)
+        with open(a.out, "w") as f:
+            json.dump(results, f)
+    print_summary(results)
     with open(a.out, "w") as f:
         json.dump(results, f)
     return 0 if all("error" not in r for r in results.values()) else 1

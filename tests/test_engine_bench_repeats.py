@@ -70,6 +70,8 @@ def test_each_set_at_concurrency_above_one_is_timed_again_from_a_flushed_warm_se
         else:
             assert len(run["tok_s_repeats"]) == 3 and run["tok_s_repeats"][0] == run["tok_s"]
             assert run["accept_len_repeats"] == [2.0, 2.0, 2.0]
+            assert run["new_triton_kernels_repeats"] == [[], [], []]
+            assert run["period_ms_repeats"] == [None, None, None]  # no scheduler profile asked for
     # one flush between the levels, then two per c4 set before its repeats; each repeat re-warms (2 batches) first
     assert sum(1 for c in calls if c[0] == "flush") == 1 + 2 * 2
     flushes = [i for i, c in enumerate(calls) if c[0] == "flush"][1:]
@@ -108,3 +110,38 @@ def test_the_summary_prints_each_pass_and_the_medians_ratio(bench, monkeypatch, 
         want = (statistics.median(res["adaptive"]["runs"][run]["tok_s_repeats"])
                 / statistics.median(res["plain"]["runs"][run]["tok_s_repeats"]))
         assert float(line.split()[-1]) == pytest.approx(want, abs=6e-4)
+
+
+def test_a_kernel_built_during_a_repeat_pass_is_recorded_with_that_pass(bench, monkeypatch):
+    module, engines = bench
+    built = set()
+    monkeypatch.setattr(module, "triton_kernels", lambda: set(built))
+    monkeypatch.setattr(module, "triton_entry", lambda entry: str(entry))
+    real_timed = module.timed_run
+    timed = []
+
+    def timed_run(*a, **k):
+        timed.append(1)
+        if len(timed) == 5:  # c1: copy, free; c4: copy and its two repeats -> the last repeat of copy/c4
+            built.add("_fwd_kernel")
+        return real_timed(*a, **k)
+
+    monkeypatch.setattr(module, "timed_run", timed_run)
+    out = module.run_one("plain", args(3))
+    assert out["runs"]["copy/c4"]["new_triton_kernels_repeats"] == [[], [], ["_fwd_kernel"]]
+    assert out["runs"]["free/c4"]["new_triton_kernels_repeats"] == [[], [], []]
+
+
+def test_summary_prints_the_tables_of_a_saved_run_without_a_model(bench, monkeypatch, tmp_path, capsys):
+    module, engines = bench
+    res = {name: module.run_one(name, args(2)) for name in ("plain", "adaptive")}
+    out = tmp_path / "cut.json"
+    out.write_text(json.dumps(res))
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", str(out), "--summary"])
+    assert module.main() == 0
+    text = capsys.readouterr().out
+    assert "repeated sets" in text and len([ln for ln in text.splitlines() if ln.startswith("adaptive ")]) == 6
+    assert not engines[2:]  # no engine started
+    monkeypatch.setattr(sys, "argv", ["bench", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        module.main()  # without --summary a model is needed
