@@ -488,6 +488,7 @@ def rss_mb(pid: int) -> float | None:
 
 
 SMAPS_KINDS = (("anon", "Anonymous"), ("file", "Pss_File"), ("shmem", "Pss_Shmem"))
+PINNED_GAUGES = (("pinned", "ngramspec:pinned_host_mb"), ("pinned_in_use", "ngramspec:pinned_host_active_mb"))
 
 
 def rss_kinds(pid: int) -> dict[str, float] | None:
@@ -1328,6 +1329,12 @@ def rss_windows(res: dict) -> list[dict]:
             kind_slope = slope_per_min(second_half(kind_pts, w0, w1))
             if kind_slope is not None:
                 by_kind[key] = round(kind_slope, 3)
+        for key, gauge in PINNED_GAUGES:  # NGRAM_ADAPTIVE's gauges of torch's pinned host memory (MB)
+            g_pts = [(s["t"], s["m"][gauge]) for s in res["samples"]
+                     if s["instance"] == inst and gauge in (s.get("m") or {})]
+            g_slope = slope_per_min(second_half(g_pts, w0, w1))
+            if g_slope is not None:
+                by_kind[key] = round(g_slope, 3)
         out.append({"instance": inst, "window": [round(w0, 1), round(w1, 1)], "points": len(half),
                     "slope_mb_per_min": None if slope is None else round(slope, 3),
                     "rss_mb_first": half[0][1] if half else None, "rss_mb_last": half[-1][1] if half else None,

@@ -536,7 +536,13 @@ def test_rss_windows_split_the_growth_by_kind(soak):
     assert math.isclose(w["slope_mb_per_min"], 6.0) and w["points"] == 30
     assert w["slope_by_kind"] == {"anon": 0.0, "file": 0.0, "shmem": 6.0}
     for s in samples:
+        s["m"] = {"ngramspec:pinned_host_mb": 100 + 0.1 * s["t"], "ngramspec:pinned_host_active_mb": 4.0}
+    # NGRAM_ADAPTIVE's pinned-memory gauges beside the page kinds: the growth is torch's pinned cache, not in use
+    assert soak.rss_windows(res)[0]["slope_by_kind"] == {"anon": 0.0, "file": 0.0, "shmem": 6.0, "pinned": 6.0,
+                                                           "pinned_in_use": 0.0}
+    for s in samples:
         s.pop("scheduler_kinds", None)  # an older result file: no split
+        s.pop("m", None)
     assert soak.rss_windows(res)[0]["slope_by_kind"] == {}
 
 

@@ -10,6 +10,9 @@ interval SGLang's own `sglang:spec_accept_length` covers:
 - `ngramspec:drafted_tokens_by_source` / `ngramspec:accepted_tokens_by_source`, label `source` ("ngram": the
   suffix tries, "recycled": token recycling, `recycle`): draft tokens sent / accepted per request and step from
   each source; over the sources they sum to `drafted_tokens` / `realized_accept_length` - 1.
+- `ngramspec:pinned_host_mb` / `ngramspec:pinned_host_active_mb` / `ngramspec:pinned_host_trims` (with the cap
+  `pinned_cache_mb` on): the scheduler's pinned host memory that torch holds (in use or cached), the part in use,
+  and how often the cap returned cached blocks. Read from torch's counters once per interval.
 """
 from __future__ import annotations
 
@@ -28,6 +31,11 @@ GAUGES = {
 BY_SOURCE = {
     "drafted": ("ngramspec:drafted_tokens_by_source", "Draft tokens sent per request and verify step, by source."),
     "accepted": ("ngramspec:accepted_tokens_by_source", "Draft tokens accepted per request and step, by source."),
+}
+PINNED = {
+    "allocated_mb": ("ngramspec:pinned_host_mb", "Pinned host memory torch holds in the scheduler (MB), used or not."),
+    "active_mb": ("ngramspec:pinned_host_active_mb", "Of it, pinned host memory in use (MB)."),
+    "trims": ("ngramspec:pinned_host_trims", "Times the pinned_cache_mb cap returned cached pinned memory."),
 }
 SOURCES = ("ngram", "recycled")
 SUMMARY_KEYS = {
@@ -55,6 +63,10 @@ class NgramspecGauges:
                        multiprocess_mode="mostrecent")
             for key, (name, doc) in BY_SOURCE.items()
         }
+        self._pinned = {
+            key: Gauge(name=name, documentation=doc, labelnames=list(self.labels), multiprocess_mode="mostrecent")
+            for key, (name, doc) in PINNED.items()
+        }
 
     def publish(self, summary: dict[str, float]) -> None:
         for key, gauge in self._gauges.items():
@@ -63,3 +75,7 @@ class NgramspecGauges:
         for key, gauge in self._by_source.items():
             for source in SOURCES:
                 gauge.labels(**self.labels, source=source).set(float(summary[f"{key}_{source}_per_request"]))
+
+    def publish_pinned(self, counts: dict[str, float]) -> None:
+        for key, gauge in self._pinned.items():
+            (gauge.labels(**self.labels) if self.labels else gauge).set(float(counts[key]))

@@ -48,6 +48,12 @@ class PinnedCacheCap:
         logger.info("NGRAM_ADAPTIVE: cached pinned host memory capped at %.0f MB", float(limit_mb))
         return cls(limit_mb, stats, empty, every)
 
+    def counts(self) -> dict[str, float]:
+        """The `ngramspec:pinned_host_*` gauges: MB torch holds (in use or cached), MB in use, trims so far."""
+        s = self._stats()
+        return {"allocated_mb": int(s.get("allocated_bytes.current", 0)) / MB,
+                "active_mb": int(s.get("active_bytes.current", 0)) / MB, "trims": float(self.trims)}
+
     def cached_bytes(self) -> int:
         """Pinned bytes torch holds but nobody uses (0 where the counts are missing)."""
         s = self._stats()

@@ -228,6 +228,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         """Called by the decode-report hook after SGLang logged: publish gauges, start a new interval."""
         if self._gauges is not None and self.planner.stats.verified_requests:
             self._gauges.publish(self.planner.stats.summary())
+        if self._gauges is not None and self._pinned is not None:
+            self._gauges.publish_pinned(self._pinned.counts())
         if self._profile is not None:
             self._profile.fold(self.planner.stats)
         self.planner.stats.reset()

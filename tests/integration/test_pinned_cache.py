@@ -125,3 +125,13 @@ def test_without_cuda_there_is_no_cap():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert PinnedCacheCap.for_torch(64) is None
+
+
+def test_counts_for_the_gauges_say_what_is_held_what_is_in_use_and_how_often_it_trimmed():
+    a, c = cap(limit_mb=16, every=1)
+    in_use = a.alloc(8 * MB)
+    a.release(a.alloc(32 * MB))
+    assert c.counts() == {"allocated_mb": 40.0, "active_mb": 8.0, "trims": 0.0}
+    c.step()
+    assert c.counts() == {"allocated_mb": 8.0, "active_mb": 8.0, "trims": 1.0} and in_use == 8 * MB
+

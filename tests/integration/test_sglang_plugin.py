@@ -276,7 +276,8 @@ def test_our_gauges_export_the_interval_summary():
     stats = IntervalStats(verify_steps=2, verified_requests=4, width_tokens=40, drafted_tokens=30,
                           expected_tokens=9.0, observed_requests=4, realized_accepted=6, drafted_recycled=10,
                           accepted_recycled=4)
-    NgramspecGauges().publish(stats.summary())
+    gauges = NgramspecGauges()
+    gauges.publish(stats.summary())
     assert REGISTRY.get_sample_value("ngramspec:verify_width") == 10.0
     assert REGISTRY.get_sample_value("ngramspec:drafted_tokens") == 7.5
     assert REGISTRY.get_sample_value("ngramspec:predicted_accept_length") == 2.25
@@ -285,6 +286,9 @@ def test_our_gauges_export_the_interval_summary():
                  for name in ("drafted", "accepted") for source in ("ngram", "recycled")}
     assert by_source == {("drafted", "ngram"): 5.0, ("drafted", "recycled"): 2.5, ("accepted", "ngram"): 0.5,
                          ("accepted", "recycled"): 1.0}
+    gauges.publish_pinned({"allocated_mb": 174.0, "active_mb": 12.5, "trims": 3.0})  # the pinned-memory cap's counts
+    assert [REGISTRY.get_sample_value(f"ngramspec:pinned_host_{k}") for k in ("mb", "active_mb", "trims")] == [
+        174.0, 12.5, 3.0]
 
 
 def test_run_batch_hook_tells_the_worker_the_queue_length(plugin):

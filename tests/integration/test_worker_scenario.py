@@ -206,6 +206,9 @@ def test_the_kernel_profile_splits_one_window_of_decode_steps(results, name):
     assert r["kernel_windows"] == 1 and not r["kernel_start_left"]
     assert r["memtrace_ticks"] == r["steps"]  # NGRAMSPEC_MEM_TRACE's hook runs at every decode step
     assert r["pinned_trims"] == r["steps"]  # so does the pinned cache's cap (here: over it at every check)
+    summary, pinned = r["gauges_published"]  # at SGLang's decode log: the interval's gauges, then the cap's counts
+    assert summary == "summary" and pinned["trims"] == r["steps"] and pinned["active_mb"] == 0
+    assert pinned["allocated_mb"] > r["steps"]  # this allocator's cache grows by 1 MB at every look
     assert k["steps"] == 6 and sum(k["widths"].values()) == 6 == sum(k["batch_sizes"].values())
     assert k["forwards"] >= 6 and k["prefills_in_window"] == 0
     assert k["kernels"] and k["gpu_ms_per_step"] > 0

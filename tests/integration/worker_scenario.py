@@ -499,6 +499,11 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
            "stats": dict(worker.planner.stats.__dict__), "kernel_profile": kernels,
            "kernel_start_left": kernel_start_left, "kernel_windows": worker._kprof.windows,
            "memtrace_ticks": worker._memtrace.ticks, "pinned_trims": worker._pinned.trims}
+    # SGLang's decode log: the interval's gauges, then the pinned cache's counts (published whatever the interval)
+    res["gauges_published"] = published = []
+    worker._gauges = SimpleNamespace(publish=lambda summary: published.append("summary"),
+                                     publish_pinned=published.append)
+    worker.ngramspec_on_decode_log()
     outputs_before_flush = [list(r.output_ids) for r in reqs]
     # SGLang's /flush_cache on the idle server: the old planner, its cache and its controller must be freed at once
     # (the cyclic collector may not run for a long time in a server), and nothing served is touched
