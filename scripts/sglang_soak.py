@@ -1322,19 +1322,15 @@ def rss_windows(res: dict) -> list[dict]:
         w1 = min([load[1]] + later)
         half = second_half(pts, w0, w1)
         slope = slope_per_min(half)
-        by_kind = {}  # the same fit for each kind of page: which kind grows
-        for key, _ in SMAPS_KINDS:
-            kind_pts = [(s["t"], s["scheduler_kinds"][key]) for s in res["samples"]
-                        if s["instance"] == inst and key in (s.get("scheduler_kinds") or {})]
+        by_kind = {}  # the same fit for each kind of page, and for NGRAM_ADAPTIVE's gauges of torch's pinned memory
+        series = [(key, "scheduler_kinds", key) for key, _ in SMAPS_KINDS]
+        series += [(key, "m", gauge) for key, gauge in PINNED_GAUGES]
+        for key, field, name in series:
+            kind_pts = [(s["t"], s[field][name]) for s in res["samples"]
+                        if s["instance"] == inst and name in (s.get(field) or {})]
             kind_slope = slope_per_min(second_half(kind_pts, w0, w1))
             if kind_slope is not None:
                 by_kind[key] = round(kind_slope, 3)
-        for key, gauge in PINNED_GAUGES:  # NGRAM_ADAPTIVE's gauges of torch's pinned host memory (MB)
-            g_pts = [(s["t"], s["m"][gauge]) for s in res["samples"]
-                     if s["instance"] == inst and gauge in (s.get("m") or {})]
-            g_slope = slope_per_min(second_half(g_pts, w0, w1))
-            if g_slope is not None:
-                by_kind[key] = round(g_slope, 3)
         out.append({"instance": inst, "window": [round(w0, 1), round(w1, 1)], "points": len(half),
                     "slope_mb_per_min": None if slope is None else round(slope, 3),
                     "rss_mb_first": half[0][1] if half else None, "rss_mb_last": half[-1][1] if half else None,
