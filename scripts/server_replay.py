@@ -39,6 +39,7 @@ sides of the speedup), configs whose outputs differ from plain's (every method r
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
@@ -68,7 +69,8 @@ def load_bench(paths: list[str]) -> dict:
     out: dict = {}
     for path in paths:
         try:
-            data = json.loads(Path(path).read_text())
+            raw = Path(path).read_bytes()
+            data = json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
         except FileNotFoundError:
             raise ValueError(f"{path}: no such file") from None
         except json.JSONDecodeError as exc:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gzip
 import json
 import os
 import signal
@@ -542,6 +543,12 @@ def run_child(script: str, name: str, timeout: float, logs: str | None, grace: f
     return res
 
 
+def load_json(path: str):
+    """A result file of this script, gzipped (``.gz``, as kept in docs/sglang/) or not."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        return json.load(f)
+
+
 def print_summary(results: dict) -> None:
     """The tables of a run from its results (also of a run cut short: `--summary OUT.json`)."""
     base = results.get("plain", {}).get("runs", {})
@@ -657,8 +664,7 @@ def main() -> int:
     p.add_argument("--one", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.summary:
-        with open(a.out) as f:
-            print_summary(json.load(f))
+        print_summary(load_json(a.out))
         return 0
     if a.one:
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_child's timeout: where it hangs

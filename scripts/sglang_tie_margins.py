@@ -16,22 +16,21 @@ reference version's configurations to ref.json and plain decoding to this.json).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sglang_engine_bench import COPY_PROMPTS, FREE_PROMPTS, first_difference  # noqa: E402
+from sglang_engine_bench import COPY_PROMPTS, FREE_PROMPTS, first_difference, load_json  # noqa: E402
 
 from ngramspec.engine.model import load_model  # noqa: E402
 
 
 def main() -> int:
-    results = json.load(open(sys.argv[1]))
+    results = load_json(sys.argv[1])
     if len(sys.argv) > 2:
-        results = {**results, "plain": json.load(open(sys.argv[2]))["plain"]}
+        results = {**results, "plain": load_json(sys.argv[2])["plain"]}
     model, tok = load_model(device="cpu", dtype=torch.float32)
     model.eval()
     texts = {"copy": COPY_PROMPTS, "free": FREE_PROMPTS}
