@@ -25,8 +25,9 @@ What one run does (wall time under --minutes + 3; every HTTP call has a timeout;
    NGRAM_ADAPTIVE a --speculative-adaptive-config with a `state_file` in --out), waits for /health, reads the idle
    metrics, sends the greedy probe set (fixed prompts, one at a time) and keeps the outputs.
 2. --minutes of load: `python -m sglang.bench_serving --backend sglang --dataset-name random` (a ShareGPT-format
-   file written to --out, so no download; prompt and output lengths drawn from 16..2048 tokens; ignore_eos) at
-   request rates stepped 2, 4, 8, 16, 32 req/s for equal shares of the time (a segment still running 15 s after its
+   file written to --out, so no download; prompt and output lengths drawn from 16..2048 tokens; ignore_eos): each
+   server instance's part of the load (before and after the restart) steps its request rate 2, 4, 8, 16, 32 req/s
+   over its first half and holds 32 req/s over its second half (`--hold`; a segment still running 15 s after its
    share is cut: its requests are disconnected); alongside, --clients threads send the request mix of `RequestMix`
    (streamed requests of which a share disconnect mid-stream, `/abort_request` on in-flight rids, `return_logprob`,
    `json_schema`, `regex`, stop strings, `n` > 1, frequency/presence/repetition penalties, plain greedy requests;
@@ -52,7 +53,8 @@ never fails in B, and every bad request is answered in A as in B, or with a 400 
   server logs no "memory leak detected" / "double free" / "use-after-free" (SGLang checks the KV pool and the
   request table, req_to_token_pool, whenever it is idle).
 - rss_flat: the scheduler's RSS, a line fitted over the second half of each server instance's load window (those
-  with at least 6 samples), grows less than --rss-slope-limit MB/min. The same fit per kind of page (anonymous,
+  with at least 6 samples: the peak rate held, after the ramp brought every batch size), grows less than
+  --rss-slope-limit MB/min. The same fit per kind of page (anonymous,
   file, shared: /proc's smaps_rollup) is reported beside it, for plain decoding too: CUDA's pinned host memory,
   which torch caches and never returns, is shared memory.
 - flush_keeps_memory: after the drain, --flush-cycles times the probes and then /flush_cache, the scheduler's RSS
@@ -91,6 +93,7 @@ from collections import Counter, defaultdict
 
 HOST = "127.0.0.1"
 RATES = (2, 4, 8, 16, 32)
+HOLD = 0.5  # share of each server instance's load spent at the peak rate after its ramp (`schedule`)
 IDLE_GAUGES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:kv_used_tokens",
                "sglang:kv_available_tokens", "sglang:kv_evictable_tokens")
 TRACKED = IDLE_GAUGES + ("sglang:spec_accept_length", "sglang:gen_throughput", "sglang:num_requests_total",
@@ -176,25 +179,24 @@ def responses_by_status(parsed: dict) -> dict:
     return dict(out)
 
 
-def schedule(load_s: float, rates=RATES, restart_at: float | None = 0.5) -> list[dict]:
-    """Load segments: equal shares of load_s per rate, in order; a segment that spans the restart (at restart_at *
-    load_s) is split around it. Times in seconds from the start of the load."""
-    share = load_s / len(rates)
+def schedule(load_s: float, rates=RATES, restart_at: float | None = 0.5, hold: float = HOLD) -> list[dict]:
+    """Load segments, times in seconds from the start of the load. Each server instance's part of the load (the
+    whole load, or the parts before and after the restart at restart_at * load_s) ramps through ``rates`` in equal
+    steps over its first (1 - hold) share, then holds the last rate for the rest (segment flagged "hold"): the
+    RSS check fits each instance's second half, so with hold 0.5 it sees the peak load sustained, every batch size
+    it brings already met in the ramp, and growth there is not the warm-up of new batch shapes."""
+    bounds = [0.0, load_s] if restart_at is None else [0.0, restart_at * load_s, load_s]
     segs = []
-    for i, rate in enumerate(rates):
-        segs.append({"kind": "bench", "rate": rate, "start": i * share, "end": (i + 1) * share})
-    if restart_at is None:
-        return segs
-    t = restart_at * load_s
-    out = []
-    for s in segs:
-        if s["start"] < t < s["end"]:
-            out += [{**s, "end": t}, {"kind": "restart", "start": t, "end": t}, {**s, "start": t}]
-        else:
-            out.append(s)
-            if s["end"] == t:
-                out.append({"kind": "restart", "start": t, "end": t})
-    return out
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if i:
+            segs.append({"kind": "restart", "start": a, "end": a})
+        ramp_end = a + (1.0 - hold) * (b - a)
+        step = (ramp_end - a) / len(rates)
+        segs += [{"kind": "bench", "rate": r, "start": a + j * step, "end": a + (j + 1) * step}
+                 for j, r in enumerate(rates)]
+        if hold > 0:
+            segs.append({"kind": "bench", "rate": rates[-1], "start": ramp_end, "end": b, "hold": True})
+    return [x for x in segs if x["kind"] == "restart" or x["end"] > x["start"]]
 
 
 def slope_per_min(points: list[tuple[float, float]]) -> float | None:
@@ -1131,12 +1133,17 @@ class Soak:
                 self.server.stop()
         return rows
 
+    def segments(self, load_s: float) -> list[dict]:
+        return schedule(load_s, restart_at=None if self.a.no_restart else 0.5, hold=self.a.hold)
+
     # ---- the run
     def run(self) -> dict:
         a = self.a
         self.dataset_path = os.path.join(a.out, "sharegpt_synthetic.json")
         with open(self.dataset_path, "w") as f:
-            json.dump(synthetic_sharegpt(max(64, int(max(RATES) * self.load_s / len(RATES)) + 16), a.seed), f)
+            # prompts enough for the largest segment (bench_serving draws each request's prompt from this file)
+            most = max(g["rate"] * (g["end"] - g["start"]) for g in self.segments(self.load_s) if g["kind"] == "bench")
+            json.dump(synthetic_sharegpt(max(64, int(most) + 16), a.seed), f)
         res = self.result
         try:
             if port_answers(a.port):
@@ -1156,7 +1163,9 @@ class Soak:
             sampler.start()
             for t in threads:
                 t.start()
-            segs = schedule(load_end - load_start, restart_at=None if a.no_restart else 0.5)
+            segs = self.segments(load_end - load_start)
+            res["load_segments"] = [{**g, "start": round(g["start"] + load_start - self.t0, 2),
+                                     "end": round(g["end"] + load_start - self.t0, 2)} for g in segs]
             for idx, seg in enumerate(segs):
                 start_abs, end_abs = load_start + seg["start"], load_start + seg["end"]
                 while time.time() < start_abs:
@@ -1568,6 +1577,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "at its first differing position is at most this (a near-tie)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--no-restart", action="store_true", help="no restart at half time")
+    p.add_argument("--hold", type=float, default=HOLD,
+                   help="share of each server instance's load held at the peak rate after its ramp (0: ramp only)")
     p.add_argument("--restart-signal", default="kill", choices=["kill", "term"],
                    help="the half-time restart: SIGKILL (as a crash; the state file is the last periodic write) or "
                         "SIGTERM (SGLang's graceful exit, SIGKILL after 10 s)")

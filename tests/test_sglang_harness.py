@@ -503,14 +503,23 @@ def test_check_answer_and_outcomes(soak):
 
 
 def test_schedule(soak):
+    """Each server instance's part ramps 2..32 req/s over its first half and holds 32 over its second half, the
+    window the RSS check fits."""
     segs = soak.schedule(600.0)
     bench = [s for s in segs if s["kind"] == "bench"]
-    assert [s["rate"] for s in bench] == [2, 4, 8, 8, 16, 32]
-    assert [s["kind"] for s in segs].index("restart") == 3 and segs[3]["start"] == 300.0
-    assert sum(s["end"] - s["start"] for s in bench) == 600.0
-    assert all(x["end"] == y["start"] for x, y in zip(segs, segs[1:]))
-    assert [s["kind"] for s in soak.schedule(100.0, rates=(1, 2), restart_at=0.5)] == ["bench", "restart", "bench"]
-    assert all(s["kind"] == "bench" for s in soak.schedule(60.0, restart_at=None))
+    assert [s["rate"] for s in bench] == [2, 4, 8, 16, 32, 32] * 2
+    assert [s.get("hold", False) for s in bench] == [False] * 5 + [True] + [False] * 5 + [True]
+    assert [s["kind"] for s in segs].index("restart") == 6 and segs[6]["start"] == 300.0
+    assert [(s["start"], s["end"]) for s in bench if s.get("hold")] == [(150.0, 300.0), (450.0, 600.0)]
+    assert math.isclose(sum(s["end"] - s["start"] for s in bench), 600.0)
+    assert all(math.isclose(x["end"], y["start"]) for x, y in zip(segs, segs[1:]))
+    # the RSS check's window, each instance's second half, is its hold
+    assert soak.second_half([(t, 0.0) for t in range(0, 301, 5)], 0, 300)[0][0] == 150
+    assert [s["kind"] for s in soak.schedule(100.0, rates=(1, 2), restart_at=0.5, hold=0.0)] == [
+        "bench", "bench", "restart", "bench", "bench"]
+    alone = soak.schedule(60.0, restart_at=None)
+    assert all(s["kind"] == "bench" for s in alone) and [s["rate"] for s in alone] == [2, 4, 8, 16, 32, 32]
+    assert alone[-1]["hold"] and math.isclose(alone[-1]["start"], 30.0) and alone[-1]["end"] == 60.0
 
 
 def test_rss_slope(soak):
