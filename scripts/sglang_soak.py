@@ -1601,6 +1601,8 @@ def main(argv=None) -> int:
         p.error("--model and --out are needed (or --compare A B)")
     if a.minutes <= 0:
         p.error("--minutes must be > 0")
+    if not 0.0 <= a.hold < 1.0:
+        p.error("--hold must be in [0, 1): the share of each instance's load held at the peak rate")
     a.model = a.model or ""
     if a.algorithm == "NGRAM":
         # where flashinfer is missing (the GPU kit), SGLang's NGRAM stops at its first sampled request; the control

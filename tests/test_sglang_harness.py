@@ -520,6 +520,9 @@ def test_schedule(soak):
     alone = soak.schedule(60.0, restart_at=None)
     assert all(s["kind"] == "bench" for s in alone) and [s["rate"] for s in alone] == [2, 4, 8, 16, 32, 32]
     assert alone[-1]["hold"] and math.isclose(alone[-1]["start"], 30.0) and alone[-1]["end"] == 60.0
+    for bad in ("1", "-0.1"):
+        with pytest.raises(SystemExit):
+            soak.main(["--model", "m", "--out", "o", "--hold", bad])
 
 
 def test_rss_slope(soak):
