@@ -275,3 +275,64 @@ def _merge_recycled(b_tokens, b_parents, b_probs, b_sources, b_offsets, succ, tp
         if m > 0:
             used += 1
     return used
+
+
+def order_by_value(batch, values):
+    """``batch`` with the nodes of every request that mixes recycled and n-gram nodes (`with_recycled`'s widen)
+    reordered by ``values`` (each node's calibrated P(accepted), `AdaptiveController.node_values`), highest first,
+    ties in their order: a controller that keeps a prefix of each draft then keeps the draft's best nodes,
+    whichever source drafted them, where the merge put recycling's nodes after the whole n-gram draft. P falls along
+    every path (a product of conditionals), so parents stay before their children. Requests with one source keep
+    their order; the input is not modified."""
+    from ngramspec.cache import _draft_batch
+
+    values = np.ascontiguousarray(values, np.float64)
+    n = int(batch.offsets[len(batch)])
+    if values.shape != (n,):
+        raise ValueError(f"values: one per draft node ({n}), got shape {values.shape}")
+    tokens, parents = np.empty(n, np.int32), np.empty(n, np.int32)
+    probs, sources = np.empty(n, np.float32), np.empty(n, np.int8)
+    _order(batch.tokens, batch.parents, batch.probs, batch.sources, batch.offsets, values, tokens, parents, probs,
+           sources)
+    return _draft_batch(tokens, parents, probs, sources, batch.offsets, batch.match_lens)
+
+
+@njit(cache=True)
+def _order(b_tokens, b_parents, b_probs, b_sources, offsets, values, tokens, parents, probs, sources):
+    """`order_by_value`'s work: a stable insertion sort per mixed request (drafts are at most a few dozen nodes)."""
+    B = offsets.shape[0] - 1
+    longest = 0
+    for i in range(B):
+        longest = max(longest, offsets[i + 1] - offsets[i])
+    idx = np.empty(longest, np.int64)
+    inv = np.empty(longest, np.int64)
+    v = np.empty(longest, np.float64)  # the values capped by the parent's: parents first whatever the rounding
+    for i in range(B):
+        a, b = offsets[i], offsets[i + 1]
+        n = b - a
+        mixed = False
+        for j in range(a, b):
+            if (b_sources[j] == RECYCLED) != (b_sources[a] == RECYCLED):
+                mixed = True
+                break
+        for k in range(n):
+            idx[k] = k
+            p = b_parents[a + k]
+            v[k] = values[a + k] if p < 0 else min(values[a + k], v[p])
+        if mixed:
+            for k in range(1, n):
+                x = idx[k]
+                m = k - 1
+                while m >= 0 and v[idx[m]] < v[x]:
+                    idx[m + 1] = idx[m]
+                    m -= 1
+                idx[m + 1] = x
+        for k in range(n):
+            inv[idx[k]] = k
+        for k in range(n):
+            j = a + idx[k]
+            tokens[a + k] = b_tokens[j]
+            probs[a + k] = b_probs[j]
+            sources[a + k] = b_sources[j]
+            p = b_parents[j]
+            parents[a + k] = -1 if p < 0 else inv[p]

@@ -352,3 +352,81 @@ def test_a_recycled_nodes_probability_follows_its_own_rank():
     d = merged.draft(0)
     assert used == 1 and d.tokens.tolist() == [5, 7, 9] and d.parents.tolist() == [-1, -1, 0]
     assert np.allclose(d.probs, [RANK_CONDITIONAL[0], RANK_CONDITIONAL[2], RANK_CONDITIONAL[0] ** 2])
+
+
+def _paths(d):
+    """Every node's token path from the root, as a multiset (a tree's content, whatever its node order)."""
+    toks, pars = d.tokens.tolist(), d.parents.tolist()
+
+    def path(j):
+        return () if j < 0 else path(pars[j]) + (toks[j],)
+    return sorted((path(j), float(d.probs[j]), int(d.sources[j])) for j in range(len(toks)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seqs=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=30), min_size=1, max_size=5),
+       updates=st.lists(st.tuples(st.integers(0, 9), st.lists(st.integers(0, 7), min_size=3, max_size=3)),
+                        max_size=40),
+       budget=st.integers(0, 12), min_match=st.integers(0, 4), seed=st.integers(0, 999))
+def test_order_by_value_puts_each_mixed_drafts_best_nodes_first(seqs, updates, budget, min_match, seed):
+    """`order_by_value` on widened merges with random node values: each request keeps the same tree (the same
+    token paths with their probabilities and sources), parents stay before children, a request mixing both sources
+    has its values (each capped by its parent's) non-increasing, any other request is unchanged, the input too."""
+    from ngramspec import NgramCache
+    from ngramspec.recycle import RECYCLED, order_by_value, with_recycled
+
+    cache = NgramCache(max_depth=6)
+    rids = list(range(len(seqs)))
+    for r, s in zip(rids, seqs):
+        cache.start_request(r, s)
+    batch = cache.propose(rids, 6, tree=bool(seed % 2))
+    table = RecycleTable(16, 3, bfs_template([3, 2, 1]))
+    if updates:
+        table.update(np.array([u[0] for u in updates]), np.array([u[1] for u in updates]))
+    merged, _ = with_recycled(batch, table, [s[-1] for s in seqs], budget, min_match=min_match, widen=True)
+    values = np.random.default_rng(seed).random(merged.tokens.shape[0])
+    before = [a.copy() for a in (merged.tokens, merged.parents, merged.probs, merged.sources)]
+    out = order_by_value(merged, values)
+    for a, b in zip(before, (merged.tokens, merged.parents, merged.probs, merged.sources)):
+        assert np.array_equal(a, b)
+    assert np.array_equal(out.offsets, merged.offsets) and np.array_equal(out.match_lens, merged.match_lens)
+    for i in range(len(merged)):
+        d, e = merged.draft(i), out.draft(i)
+        assert _paths(d) == _paths(e)
+        check_tree(e.tokens, e.parents)
+        assert all(p < k for k, p in enumerate(e.parents.tolist()))
+        rec = d.sources == RECYCLED
+        if rec.any() and not rec.all():
+            a = int(merged.offsets[i])
+            capped = {}
+            for j, p in enumerate(d.parents.tolist()):
+                capped[j] = values[a + j] if p < 0 else min(values[a + j], capped[p])
+            # the new order by those capped values: find each output node's source node through its path
+            where = {}
+            for j in range(len(d.tokens)):
+                key, q = [], j
+                while q >= 0:
+                    key.append(int(d.tokens[q]))
+                    q = int(d.parents[q])
+                where[tuple(reversed(key))] = capped[j]
+            seq = []
+            for k in range(len(e.tokens)):
+                key, q = [], k
+                while q >= 0:
+                    key.append(int(e.tokens[q]))
+                    q = int(e.parents[q])
+                seq.append(where[tuple(reversed(key))])
+            assert all(x >= y for x, y in zip(seq, seq[1:]))
+        else:
+            assert e.tokens.tolist() == d.tokens.tolist() and e.parents.tolist() == d.parents.tolist()
+
+
+def test_order_by_value_checks_its_values():
+    from ngramspec import NgramCache
+    from ngramspec.recycle import order_by_value
+
+    cache = NgramCache(max_depth=4)
+    cache.start_request(0, [1, 2, 1, 2, 1])
+    batch = cache.propose([0], 3)
+    with pytest.raises(ValueError, match="one per draft node"):
+        order_by_value(batch, np.zeros(batch.tokens.shape[0] + 1))

@@ -22,7 +22,7 @@ import numpy as np
 from ngramspec.cache import DraftBatch, NgramCache
 from ngramspec.controller import AdaptiveController, FixedWidthController, Plan
 from ngramspec.layout import accepted_path, layout_flat
-from ngramspec.recycle import RECYCLED, RecycleTable, bfs_template, with_recycled
+from ngramspec.recycle import RECYCLED, RecycleTable, bfs_template, order_by_value, with_recycled
 
 from .backoff import ForwardsChooser
 from .config import AdaptiveConfig
@@ -297,6 +297,9 @@ class DraftPlanner:
                 batch, used = with_recycled(batch, self.recycle_table, lasts, max(1, self.config.max_width - 1),
                                             self.config.recycle_min_match, widen=self.config.recycle_widen)
                 self.recycled_requests += used
+                if self.config.recycle_widen and type(ctl) is AdaptiveController:
+                    # the best nodes of both sources first (the merge puts recycling's after the n-gram draft)
+                    batch = order_by_value(batch, ctl.node_values(rids, batch)[0])
             if recycling and type(ctl) is AdaptiveController:
                 decision = ctl.plan(rids, batch, waiting=waiting, switch_cost=switch)
             else:

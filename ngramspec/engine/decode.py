@@ -17,7 +17,7 @@ import torch
 
 from ngramspec.controller import AdaptiveController, Controller, FixedBudgetController
 from ngramspec.layout import greedy_walk, layout_flat
-from ngramspec.recycle import RECYCLED, with_recycled
+from ngramspec.recycle import RECYCLED, order_by_value, with_recycled
 
 from .model import KVModel
 
@@ -169,9 +169,10 @@ class SpecDecoder:
         table takes the model's top-k at every row it verified (the root and each draft node, accepted or not); a
         request whose n-gram draft is empty or grew from a match shorter than `recycle_min_match` tokens drafts from
         the table instead (`ngramspec.recycle.with_recycled`; `recycle_widen`: a kept n-gram draft is followed by
-        the table's other first tokens); an `AdaptiveController` calibrates recycled nodes apart and plans over
-        both. `GenerationResult.recycled` counts the request-steps each source drafted, `accepted_by_source` the
-        draft tokens each had accepted.
+        the table's other first tokens, and an adaptive policy's `node_values` then order each such draft's nodes
+        best first, `ngramspec.recycle.order_by_value`); an `AdaptiveController` calibrates recycled nodes apart
+        and plans over both. `GenerationResult.recycled` counts the request-steps each source drafted,
+        `accepted_by_source` the draft tokens each had accepted.
         """
         B = len(prompts)
         if not 1 <= B <= self.kv.batch:
@@ -262,6 +263,8 @@ class SpecDecoder:
                         batch, used = with_recycled(batch, recycle, root[act], max(1, policy.max_width - 1),
                                                     recycle_min_match, widen=recycle_widen)
                         sources[1] += used
+                        if recycle_widen and hasattr(policy, "node_values"):  # both sources' best nodes first
+                            batch = order_by_value(batch, policy.node_values(act_rids, batch)[0])
                     plan = policy.plan(act_rids, batch, waiting=0)
                 t_plan = time.perf_counter()
                 if trusted:

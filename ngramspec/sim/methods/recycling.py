@@ -140,7 +140,7 @@ class AdaptiveRecycle(_Table, AdaptiveMethod):
         self._last[rid] = int(prompt[-1])
 
     def propose(self, rids):
-        from ngramspec.recycle import with_recycled
+        from ngramspec.recycle import order_by_value, with_recycled
 
         empty = np.zeros(0, np.int32)
         committed = [self._committed.pop(r, empty) for r in rids]
@@ -151,6 +151,8 @@ class AdaptiveRecycle(_Table, AdaptiveMethod):
             batch, used = with_recycled(batch, self.table, [self._last[r] for r in rids], self.budget,
                                         self.min_match, widen=self.widen)
             self.from_recycle += used
+            if self.widen:  # the best nodes of both sources first, where the merge put recycling's last
+                batch = order_by_value(batch, self.ctl.node_values(rids, batch)[0])
         plan = self.ctl.plan(rids, batch, waiting=self.waiting)
         self._width = plan.width
         out = []
