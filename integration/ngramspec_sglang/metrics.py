@@ -34,7 +34,8 @@ BY_SOURCE = {
 }
 PINNED = {
     "allocated_mb": ("ngramspec:pinned_host_mb", "Pinned host memory torch holds in the scheduler (MB), used or not."),
-    "active_mb": ("ngramspec:pinned_host_active_mb", "Of it, pinned host memory in use (MB)."),
+    "active_mb": ("ngramspec:pinned_host_active_mb",
+                  "Pinned host memory in use by torch's own count (MB; it can run above what torch holds)."),
     "trims": ("ngramspec:pinned_host_trims", "Times the pinned_cache_mb cap returned cached pinned memory."),
 }
 SOURCES = ("ngram", "recycled")

@@ -10,6 +10,11 @@ with the batch alone.
 Every `every` decode steps the cap reads torch's host allocator counts; where the blocks held but not in use exceed
 the cap, it returns them (`torch._C._host_emptyCache`; freeing pinned memory may wait for the work queued on the
 device, so a trim can cost one step's wait). Blocks in use are never touched. A cache flush returns them all.
+
+What is in use is not read from torch's own count alone: in a GPU soak that count grew without bound (759 MB in
+use against 172 MB held), so a cap trusting it saw nothing cached and never trimmed. The cap takes the smaller of
+torch's count and what the last trim left held (a trim returns every unused block, so what stays was in use then;
+before any trim, nothing is taken as in use).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ class PinnedCacheCap:
         self._steps = 0
         self.trims = 0
         self.returned_bytes = 0
+        self._kept = 0  # bytes held right after the last trim: in use then
 
     @classmethod
     def for_torch(cls, limit_mb: Optional[float], every: int = 256) -> Optional["PinnedCacheCap"]:
@@ -55,9 +61,11 @@ class PinnedCacheCap:
                 "active_mb": int(s.get("active_bytes.current", 0)) / MB, "trims": float(self.trims)}
 
     def cached_bytes(self) -> int:
-        """Pinned bytes torch holds but nobody uses (0 where the counts are missing)."""
+        """Pinned bytes torch holds but nobody uses, at most (0 where the counts are missing): what it holds less the
+        smaller of its in-use count and what the last trim left."""
         s = self._stats()
-        return max(0, int(s.get("allocated_bytes.current", 0)) - int(s.get("active_bytes.current", 0)))
+        in_use = min(int(s.get("active_bytes.current", 0)), self._kept)
+        return max(0, int(s.get("allocated_bytes.current", 0)) - in_use)
 
     def step(self) -> bool:
         """Count a decode step; every `every` steps, trim if over the cap. True if it trimmed."""
@@ -71,9 +79,11 @@ class PinnedCacheCap:
         cached = self.cached_bytes()
         if cached <= 0 or (not force and cached <= self.limit_bytes):
             return False
+        held = int(self._stats().get("allocated_bytes.current", 0))
         self._empty()
+        self._kept = int(self._stats().get("allocated_bytes.current", 0))
         self.trims += 1
-        self.returned_bytes += cached - self.cached_bytes()
+        self.returned_bytes += max(0, held - self._kept)
         if self.trims == 1 or self.trims % 20 == 0:
             logger.info("NGRAM_ADAPTIVE: returned cached pinned host memory to the driver (%d times, %.1f MB in all; "
                         "cap %.0f MB)", self.trims, self.returned_bytes / MB, self.limit_bytes / MB)
