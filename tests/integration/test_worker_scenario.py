@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("sglang")
+from ngramspec_sglang.config import AdaptiveConfig  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.sglang_server]  # the worker imports sglang's server modules
 SCENARIO = Path(__file__).with_name("worker_scenario.py")
@@ -58,6 +59,10 @@ DEVICE = ("device", "device3", "device_fixed16", "device_join", "device_abort")
 SYNC_FROM = {"sync": 0, "sync_fixed16": 20}  # from this step on, batches run synchronously (a grammar's)
 # the step a fourth request joins before
 JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6, "device_join": 12}
+# every configuration but "defaults" says whether it prepares verifies before the wait ("defaults": the worker's own)
+for _name, _config in CONFIGS.items():
+    if _name != "defaults":
+        _config.setdefault("preplan", False)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +95,7 @@ def test_every_output_equals_the_models_greedy_tokens(results, name):
     assert r["histories_ok"]  # the drafting cache saw each request's tokens once, in order, every step
     assert r["verifies"] > 0  # copy-heavy requests: the worker drafted
     assert r["profile_steps"] == r["steps"]  # NGRAMSPEC_PROFILE saw every decode step
-    assert (r["preplan_s"] > 0) == bool(CONFIGS[name].get("preplan"))
+    assert (r["preplan_s"] > 0) == CONFIGS[name].get("preplan", AdaptiveConfig.preplan)
 
 
 @pytest.mark.parametrize("name", list(ABORT_AT))
