@@ -785,6 +785,9 @@ def test_compare(soak, tmp_path, capsys):
     pb.write_text(json.dumps(b))
     pa.write_text(json.dumps(a))
     assert soak.compare(str(pa), str(pb)) == 0
+    gz = tmp_path / "a.json.gz"  # as results are kept in docs/sglang/
+    gz.write_bytes(gzip.compress(pa.read_bytes()))
+    assert soak.compare(str(gz), str(pb)) == 0
     crashed = {"case": "empty_text", "status": None, "error": "connection", "server_up_after": False}
     b["bad_requests"] = [crashed]  # plain SGLang 0.5.23 goes down on it; A's 400 with the server up is no failure
     pb.write_text(json.dumps(b))
