@@ -11,8 +11,9 @@ Every `every` decode steps the cap reads torch's host allocator counts; where th
 the cap, it returns them (`torch._C._host_emptyCache`; freeing pinned memory may wait for the work queued on the
 device, so a trim can cost one step's wait). Blocks in use are never touched. A cache flush returns them all.
 
-What is in use is not read from torch's own count alone: in a GPU soak that count grew without bound (759 MB in
-use against 172 MB held), so a cap trusting it saw nothing cached and never trimmed. The cap takes the smaller of
+What is in use is not read from torch's own count alone: in a GPU soak (torch 2.11) that count grew without bound
+(759 MB in use against 172 MB held; torch's `free()` left it up for blocks freed without pending events, fixed upstream
+in pytorch/pytorch#171662), so a cap trusting it saw nothing cached and never trimmed. The cap takes the smaller of
 torch's count and what the last trim left held (a trim returns every unused block, so what stays was in use then;
 before any trim, nothing is taken as in use).
 """
