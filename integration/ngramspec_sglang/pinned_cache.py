@@ -64,7 +64,9 @@ class PinnedCacheCap:
     def cached_bytes(self) -> int:
         """Pinned bytes torch holds but nobody uses, at most (0 where the counts are missing): what it holds less the
         smaller of its in-use count and what the last trim left."""
-        s = self._stats()
+        return self._unused(self._stats())
+
+    def _unused(self, s: dict) -> int:
         in_use = min(int(s.get("active_bytes.current", 0)), self._kept)
         return max(0, int(s.get("allocated_bytes.current", 0)) - in_use)
 
@@ -77,10 +79,11 @@ class PinnedCacheCap:
 
     def trim(self, force: bool = False) -> bool:
         """Return the unused blocks if they exceed the cap (any at all with `force`, e.g. at a cache flush)."""
-        cached = self.cached_bytes()
+        s = self._stats()
+        cached = self._unused(s)
         if cached <= 0 or (not force and cached <= self.limit_bytes):
             return False
-        held = int(self._stats().get("allocated_bytes.current", 0))
+        held = int(s.get("allocated_bytes.current", 0))
         self._empty()
         self._kept = int(self._stats().get("allocated_bytes.current", 0))
         self.trims += 1
