@@ -77,7 +77,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import gzip
 import http.client
 import json
 import os
@@ -1488,16 +1487,13 @@ def print_table(res: dict) -> bool:
     return all(c["ok"] is not False for c in checks.values())
 
 
-def _load_result(path: str) -> dict:
-    """A soak.json, gzipped (``.gz``, as kept in docs/sglang/) or not."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        return json.load(f)
-
-
 def compare(path_a: str, path_b: str) -> int:
     """A run beside its control: checks side by side; a failure kind in A that B never shows; bad requests answered
     differently (status, or output ids where both answered)."""
-    ra, rb = _load_result(path_a), _load_result(path_b)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sglang_engine_bench import load_json  # reads .json and .json.gz (results kept in docs/sglang/)
+
+    ra, rb = load_json(path_a), load_json(path_b)
     print(f"{'check':26s} {ra.get('algorithm')!s:>16s} {rb.get('algorithm')!s:>16s}")
     word = {True: "ok", False: "FAIL", None: "-"}
     for name in dict.fromkeys(list(ra["checks"]) + list(rb["checks"])):
