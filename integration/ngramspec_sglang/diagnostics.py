@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -18,7 +17,7 @@ from collections import deque
 
 import numpy as np
 
-from .sched_profile import dump_periodically
+from .sched_profile import dump_periodically, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +188,7 @@ class HostProfile:
                         # running sums in seconds (readers difference two snapshots)
                         "device": {k: {"steps": r[0], "idle_before_s": r[1], "idle_measured": r[5], "prepare_s": r[2],
                                        "forward_s": r[3], "after_s": r[4]} for k, r in self.device.items()}}
-        with open(self.path, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(self.path, out)
 
 
 class DraftLog:
@@ -280,10 +278,7 @@ class MemTrace:
             row["grew"] = [{"site": f"{f}:{line}", "mb": round(size / 2**20, 3), "count": count}
                            for size, count, (f, line) in grew]
         self.rows.append(row)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"every_s": self.every_s, "snapshots": self.rows}, f, indent=1)
-        os.replace(tmp, self.path)
+        write_json(self.path, {"every_s": self.every_s, "snapshots": self.rows})
 
 
 class _MallInfo2(ctypes.Structure):

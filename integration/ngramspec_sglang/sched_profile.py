@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from functools import partial
 from typing import Callable
@@ -30,10 +31,19 @@ _PHASES = {
 }
 
 
+def write_json(path: str, obj) -> None:
+    """``obj`` to ``path`` whole: written to a file of this thread's own beside it, then renamed over ``path``, so a
+    reader, or another thread dumping the same file at once (the periodic dump and a final one), never leaves or
+    sees a half-written file."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
 def dump_periodically(count: Callable[[], int], dump: Callable[[], None], name: str, period_s: float = 0.25) -> None:
     """A daemon thread that calls ``dump()`` every ``period_s`` seconds while ``count()`` changes (diagnostic
     files rewritten while steps run; a dict changed under the dump, or a write error, retries at the next tick)."""
-    import threading
 
     def loop():
         seen = -1
@@ -109,8 +119,7 @@ class _Sums:
         out = {"decode_steps": self.decode_steps, "decode_periods": self.decode_periods,
                "decode_period_s": self.decode_period_s,
                "phases": {k: {"calls": r[0], "seconds": r[1]} for k, r in self.rows.items()}}
-        with open(self.path, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(self.path, out)
 
 
 def register_profile_hooks() -> bool:
