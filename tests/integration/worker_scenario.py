@@ -362,7 +362,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     from ngramspec_sglang.config import resolve_config
     from ngramspec_sglang.relay import next_draft_input, padded_rows
 
-    tmp = tempfile.TemporaryDirectory()
+    # the profile's periodic dump (a daemon thread) may be writing its next file here when the run ends
+    tmp = tempfile.TemporaryDirectory(ignore_cleanup_errors=True)
     path = Path(tmp.name) / "adaptive.json"
     path.write_text(json.dumps(config_json))
     config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path),
