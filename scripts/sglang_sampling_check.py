@@ -26,7 +26,8 @@ scheduler in one call, so 2,000 samples of 8 tokens take seconds (HTTP would add
 the test needs; the HTTP server is exercised by scripts/sglang_soak.py).
 
 Per configuration (plain; adaptive = NGRAM_ADAPTIVE; ngram = SGLang's NGRAM; adaptive_w8 = NGRAM_ADAPTIVE verifying
-8 tokens at every step, so the sampling verifier works whatever the controller would choose) and per temperature
+8 tokens at every step, so the sampling verifier works whatever the controller would choose; adaptive_pp =
+NGRAM_ADAPTIVE with `preplan`) and per temperature
 setting (t07: temperature 0.7, top_p 0.95; t10: temperature 1.0), --samples (2,000) samples of the first --tokens
 (8) generated tokens of each of a few copy-heavy prompts, each sample with its own `sampling_seed` (seed ranges
 never overlap between sets). SGLang uses a request's `sampling_seed` only with --enable-deterministic-inference
@@ -77,6 +78,9 @@ CONFIGS = {
     # would decode plainly at these temperatures
     "adaptive_w8": {"speculative_algorithm": "NGRAM_ADAPTIVE",
                     "adaptive_file": {"fixed_width": 8, "draft_max_batch": None}},
+    # the verify prepared before the wait (`preplan`, off by default): a server with it failed this check
+    "adaptive_pp": {"speculative_algorithm": "NGRAM_ADAPTIVE",
+                    "adaptive_file": {"draft_max_batch": None, "preplan": True}},
 }
 TEMPS = {
     "t07": {"temperature": 0.7, "top_p": 0.95},

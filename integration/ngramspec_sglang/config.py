@@ -63,8 +63,9 @@ ADAPTIVE_CONFIG_KEYS = {
                "the wait (batch, attention metadata and CUDA graph inputs at the width of the last drafting "
                "step), so that only drafting and the token copy stand between the previous step's end and the "
                "next forward; a plan at another width is fitted to the prepared one (drafts cut, or the width "
-               "grown up to 2x) or, further off, runs unprepared. Default true (measured faster at an 8B model's "
-               "step cost); false prepares nothing before the wait",
+               "grown up to 2x) or, further off, runs unprepared. Default false: faster in greedy runs (an 8B "
+               "model's step cost and SmolLM2-135M), but a server with it on failed the sampling check (a "
+               "device-side assert in sampled tree verification, cause not yet found)",
     "recycle": "true: token recycling as a third draft source (experimental, default false): a table of each "
                "token's latest top-k successors from the verifier's own scores of every verified and decoded "
                "position, drafting where the n-gram cache matches fewer than recycle_min_match tokens (and, with "
@@ -111,7 +112,7 @@ class AdaptiveConfig:
     plain_forwards: int | str | None = None  # None / "auto": up to DEFAULT_PLAIN_FORWARDS where measured to pay
     plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
     prefetch: bool = False
-    preplan: bool = True
+    preplan: bool = False
     recycle: bool = False
     recycle_topk: int = 8
     recycle_branching: tuple[int, ...] = (4, 1, 1, 1)
