@@ -59,6 +59,17 @@ DEVICE = ("device", "device3", "device_fixed16", "device_join", "device_abort")
 SYNC_FROM = {"sync": 0, "sync_fixed16": 20}  # from this step on, batches run synchronously (a grammar's)
 # the step a fourth request joins before
 JOIN_AT = {"join": 12, "join_preplan": 12, "join_fixed16_preplan": 6, "device_join": 12}
+# verifies that sample (SGLang's sampled tree verification, its torch version), with and without preplan, with a
+# request joining and one leaving: the paths of a server's sampled traffic
+CONFIGS.update({"sampled": {"widths": [1, 2, 4, 8, 16]},
+                "sampled_preplan": {"widths": [1, 2, 4, 8, 16], "preplan": True},
+                "sampled_join_preplan": {"widths": [1, 2, 4, 8, 16], "preplan": True},
+                "sampled_abort_preplan": {"widths": [1, 2, 4, 8, 16], "preplan": True},
+                "sampled_nograph_preplan": {"widths": [1, 2, 4, 8, 16], "preplan": True}})
+SAMPLED = ("sampled", "sampled_preplan", "sampled_join_preplan", "sampled_abort_preplan", "sampled_nograph_preplan")
+GRAPH_MAX_TOKENS = {"sampled_nograph_preplan": 12}  # verifies of three requests wider than 4 run without a graph
+JOIN_AT["sampled_join_preplan"] = 12
+ABORT_AT["sampled_abort_preplan"] = 9
 # every configuration but "defaults" says whether it prepares verifies before the wait ("defaults": the worker's own)
 for _name, _config in CONFIGS.items():
     if _name != "defaults":
@@ -69,6 +80,7 @@ for _name, _config in CONFIGS.items():
 def results():
     runs = [[c, {"abort_at": ABORT_AT.get(name), "join_at": JOIN_AT.get(name),
                  "logprob_every": LOGPROB_EVERY.get(name, 0), "sync_from": SYNC_FROM.get(name),
+                 "sampled": name in SAMPLED, "graph_max_tokens": GRAPH_MAX_TOKENS.get(name),
                  **({"fail": FAIL[name][0], "fail_at": FAIL[name][1]} if name in FAIL else {})}]
             for name, c in CONFIGS.items()]
     return dict(zip(CONFIGS, _run(runs)))
@@ -123,7 +135,8 @@ def test_the_host_lengths_lent_to_a_verify_match_the_device(results, name):
 
 
 @pytest.mark.parametrize("name", ["preplan", "preplan_chain", "fixed16_preplan", "abort_preplan",
-                                  "abort_fixed16_preplan", "join_preplan", "join_fixed16_preplan"])
+                                  "abort_fixed16_preplan", "join_preplan", "join_fixed16_preplan", "sampled_preplan",
+                                  "sampled_join_preplan", "sampled_abort_preplan"])
 def test_prepared_verifies_run_and_read_what_was_written_after_the_wait(results, name):
     r = results[name]
     used = r["preplan"].get("used", 0) + r["preplan"].get("fitted", 0)
@@ -229,3 +242,18 @@ def test_a_cache_flush_frees_the_old_cache_at_once_and_keeps_what_was_served(res
     assert r["outputs_kept_by_flush"] and r["planner_after_flush_empty"] and r["cache_after_flush_empty"]
     # the text is forgotten, not what the controller learned about the model and the machine
     assert r["learned_kept"] is True
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+def test_sampled_verifies_read_only_indices_inside_the_verify(results, name):
+    """Every verify of these runs went through sampled tree verification, whose torch version raises on an index
+    outside its tensors (the retrieve arrays, drafts and scores the worker hands it), and kept the model's tokens."""
+    r = results[name]
+    assert r["sampled_steps"] == r["verifies"] > 0 and r["outputs_equal_truth"]
+
+
+def test_a_verify_without_a_graph_runs_unprepared_after_a_preparation_was_given_up(results):
+    """Where the graph runner takes no verify of that size (a wide verify of a large batch), the preparation before
+    the wait is given up and the verify runs unprepared, sampled verification included."""
+    r = results["sampled_nograph_preplan"]
+    assert r["preplan"].get("unavailable", 0) > 0 and r["verifies"] > r["prepared_verifies"] > 0

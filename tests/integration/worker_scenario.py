@@ -124,6 +124,9 @@ class Scripted:
         self.host_lens_checks = []
         self.fail = None  # "load" or "replay": the graph runner's load, or a prepared replay, raises (once on)
         self.logprob_steps = []  # (batch returns logprobs, verify width, prepared) per logprob computation
+        self.sampled = None  # a torch.Generator: verifies sample (`sampled_verify`) instead of taking the argmax
+        self.sampled_steps = 0
+        self.graph_max_tokens = None
         self._last_prepared = None
 
     # the request's tokens so far and its next true token at a KV position
@@ -142,6 +145,8 @@ class Scripted:
             retrieve_next_sibling[i] = torch.as_tensor(sib)
 
     def eagle_sample(self, verify_input, batch, logits_output, grammar_mask, watermark_state=None):
+        if self.sampled is not None:
+            return self.sampled_verify(verify_input, batch, logits_output)
         bs, w = len(batch.reqs), verify_input.draft_token_num
         tokens = verify_input.draft_token.view(bs, w)
         predict = torch.zeros(bs * w, dtype=torch.int64)
@@ -163,6 +168,30 @@ class Scripted:
             index[i, :len(path)] = torch.as_tensor([i * w + j for j in path])
             index[i, len(path):] = i * w + path[-1]
         return predict, torch.tensor(lens, dtype=torch.int32), index
+
+    def sampled_verify(self, verify_input, batch, logits_output):
+        """SGLang's sampled tree verification (`eagle_sample`'s branch for a batch that samples, with the torch
+        version of its kernel, which checks every index it reads) over the verify the worker built: a distribution
+        so sharp that sampling keeps the model's tokens, so the outputs can still be compared with them."""
+        from ngramspec_sglang.sampling_fallback import tree_speculative_sampling_target_only_torch
+
+        bs, w = len(batch.seq_lens), verify_input.draft_token_num  # as eagle_sample counts them
+        logits = logits_output.next_token_logits
+        candidates = verify_input.draft_token.reshape(bs, w)
+        target_probs = torch.softmax(logits.float() * 10.0, dim=-1).reshape(bs, w, -1)
+        predict = torch.zeros(logits.shape[0], dtype=torch.int32)
+        accept_index = torch.full((bs, verify_input.max_tree_depth), -1, dtype=torch.int32)
+        num_correct = torch.empty((bs,), dtype=torch.int32)
+        coins = torch.rand(candidates.shape, generator=self.sampled, dtype=torch.float32)
+        final_coins = torch.rand((bs,), generator=self.sampled, dtype=torch.float32)
+        tree_speculative_sampling_target_only_torch(
+            predicts=predict, accept_index=accept_index, accept_token_num=num_correct, candidates=candidates,
+            retrive_index=verify_input.retrieve_index, retrive_next_token=verify_input.retrieve_next_token,
+            retrive_next_sibling=verify_input.retrieve_next_sibling, uniform_samples=coins,
+            uniform_samples_for_final_sampling=final_coins, target_probs=target_probs,
+            draft_probs=torch.zeros_like(target_probs))
+        self.sampled_steps += 1
+        return predict, num_correct + 1, accept_index
 
     def spec_logprobs(self, batch, logits_output, predict, accept_index=None):
         # logprobs of a verify's accepted tokens: a batch that asked for them ran a verify, never prepared
@@ -216,8 +245,9 @@ class FakeRunner:
     def __init__(self, world):
         self.world = world
 
-    def can_run_graph(self, fb):
-        return True
+    def can_run_graph(self, fb):  # no graph for verifies of more tokens than `graph_max_tokens` (None: any)
+        limit = self.world.graph_max_tokens
+        return limit is None or len(fb.input_ids) <= limit
 
     def load_batch(self, fb):
         if self.world.fail == "load":
@@ -345,7 +375,8 @@ def patched(worker_mod, forward_mod, world):
 
 def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0, abort_at: int | None = None,
         join_at: int | None = None, fail: str | None = None, fail_at: int = 0, logprob_every: int = 0,
-        forget_relay_at: int | None = None, sync_from: int | None = None):
+        forget_relay_at: int | None = None, sync_from: int | None = None, sampled: bool = False,
+        graph_max_tokens: int | None = None):
     """One run; ``abort_at``: at that step the second request leaves the batch unfinished (a client abort);
     ``join_at``: before that step one more request is prefilled and joins the running batch (continuous batching:
     the prefill's token is the only one the relay holds for the next decode step); ``fail`` ("load" or "replay")
@@ -355,7 +386,9 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     purpose: its host lengths then lag the device's, which `NGRAMSPEC_CHECK_LENS` must report); ``sync_from``: from
     that step on the scheduler runs synchronously, as SGLang does for a batch with a grammar under speculation: it
     builds the batch, then processes the previous step's result, then runs the step, so a request that this result
-    finished (its output cut at its last token, its KV past it) is still in the batch."""
+    finished (its output cut at its last token, its KV past it) is still in the batch; ``sampled``: every verify
+    runs SGLang's sampled tree verification (`Scripted.sampled_verify`); ``graph_max_tokens``: the CUDA graph runners
+    take no verify of more tokens (a verify prepared before the wait is then given up, and the step runs unprepared)."""
     worker_mod, forward_mod = import_worker()
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -379,6 +412,9 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
             out += prompt[s:s + int(rng.integers(8, 30))] + rng.integers(1, 500, 2).tolist()
         prompts[f"r{i}"], truth[f"r{i}"] = prompt, out[:160]
     world = Scripted(truth, prompts)
+    if sampled:
+        world.sampled = torch.Generator().manual_seed(seed)
+    world.graph_max_tokens = graph_max_tokens
     worker = build_worker(worker_mod, forward_mod, world, config, Path(tmp.name) / "profile.json")
     reqs = [SimpleNamespace(rid=r, origin_input_ids_unpadded=p, origin_input_ids=p, output_ids=[truth[r][0]],
                             sampling_params=SimpleNamespace(max_new_tokens=len(truth[r])))
@@ -488,7 +524,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
            "lengths": [len(r.output_ids) for r in reqs], "preplan": profile["_diag"]["preplan"],
            "profile_steps": sum(v["steps"] for k, v in profile.items() if not k.startswith("_")),
            "preplan_s": sum(v["preplan_s"] for k, v in profile.items() if not k.startswith("_")),
-           "loads": world.loads, "prepared_verifies": sum(world.verify_reads),
+           "loads": world.loads, "prepared_verifies": sum(world.verify_reads), "sampled_steps": world.sampled_steps,
            "verifies": len(world.verify_reads), "verify_sizes": world.verify_sizes, "mask_checks": world.mask_checks,
            "host_lens_checks": world.host_lens_checks, "logprob_steps": world.logprob_steps,
            "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
