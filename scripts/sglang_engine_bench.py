@@ -551,6 +551,16 @@ def load_json(path: str):
         return json.load(f)
 
 
+def drafting_steps(ctl: dict) -> tuple[float, float] | None:
+    """Tokens per request and drafting step (bonus included): the controller's expectation and what was committed.
+    The set's accept length counts every decode step, the plain ones too, so it is not the controller's yardstick."""
+    src = ctl.get("sources") or {}
+    expected = ctl.get("expected_tokens_per_request")
+    if expected is None or "accepted_ngram_per_request" not in src:
+        return None
+    return expected, 1.0 + src["accepted_ngram_per_request"] + src.get("accepted_recycled_per_request", 0.0)
+
+
 def print_summary(results: dict) -> None:
     """The tables of a run from its results (also of a run cut short: `--summary OUT.json`)."""
     base = results.get("plain", {}).get("runs", {})
@@ -617,6 +627,15 @@ def print_summary(results: dict) -> None:
                           f"forwards {k['forwards']} prefills {k['prefills_in_window']}  {cats}")
                 elif k:
                     print(f"{name:14s} {run:9s} {k.get('error')}")
+    rows = [(name, run, drafting_steps(ctl)) for name, res in results.items() for run, r in res.get("runs", {}).items()
+            if (ctl := (r.get("profile") or {}).get("controller"))]
+    if any(row[2] for row in rows):
+        print("\ndrafting steps: tokens per request and step (bonus included), the controller's expectation against "
+              "what was committed")
+        for name, run, pair in rows:
+            if pair:
+                print(f"{name:14s} {run:9s} expected {pair[0]:6.3f}  committed {pair[1]:6.3f}  "
+                      f"ratio {pair[1] / pair[0]:6.3f}")
     for name, res in results.items():
         for run, r in res.get("runs", {}).items():
             ctl = (r.get("profile") or {}).get("controller")

@@ -145,3 +145,12 @@ def test_summary_prints_the_tables_of_a_saved_run_without_a_model(bench, monkeyp
     monkeypatch.setattr(sys, "argv", ["bench", "--out", str(out)])
     with pytest.raises(SystemExit):
         module.main()  # without --summary a model is needed
+
+
+def test_drafting_steps_compare_the_expectation_with_the_tokens_committed_on_the_same_steps(bench):
+    module, _ = bench
+    ctl = {"expected_tokens_per_request": 2.0,
+           "sources": {"accepted_ngram_per_request": 0.5, "accepted_recycled_per_request": 0.25}}
+    assert module.drafting_steps(ctl) == (2.0, 1.75)  # bonus token + accepted draft tokens of both sources
+    assert module.drafting_steps({"expected_tokens_per_request": None, "sources": None}) is None  # no drafting step
+    assert module.drafting_steps({"expected_tokens_per_request": 2.0, "sources": {}}) is None
