@@ -1315,20 +1315,21 @@ def failures_by_kind(res: dict) -> dict:
 
 
 def rss_windows(res: dict) -> list[dict]:
-    """Per server instance: the scheduler RSS slope over the second half of its part of the load window."""
+    """Per server instance: the scheduler RSS slope over the second half of its part of the load window, from the
+    time it was ready to the time the next instance was started (its own stop: a restart stops it first)."""
     load = res.get("load_window")
     if not load:
         return []
-    starts = {i["instance"]: i.get("ready_at", i["started"] + i["startup_s"]) for i in res.get("instances", [])}
+    ready = {i["instance"]: i.get("ready_at", i["started"] + i["startup_s"]) for i in res.get("instances", [])}
+    started = [i["started"] for i in res.get("instances", [])]
     out = []
     for inst in sorted({s["instance"] for s in res.get("samples", []) if "rss" in s}):
         pts = [(s["t"], s["rss"].get("scheduler")) for s in res["samples"]
                if s["instance"] == inst and s.get("rss", {}).get("scheduler") is not None]
         if not pts:
             continue
-        w0 = max(load[0], starts.get(inst, load[0]))
-        later = [s for s in starts.values() if s > w0]
-        w1 = min([load[1]] + later)
+        w0 = max(load[0], ready.get(inst, load[0]))
+        w1 = min([load[1]] + [t for t in started if t > w0])
         half = second_half(pts, w0, w1)
         slope = slope_per_min(half)
         by_kind = {}  # the same fit for each kind of page, and for NGRAM_ADAPTIVE's gauges of torch's pinned memory
@@ -1494,6 +1495,13 @@ def compare(path_a: str, path_b: str) -> int:
     from sglang_engine_bench import load_json  # reads .json and .json.gz (results kept in docs/sglang/)
 
     ra, rb = load_json(path_a), load_json(path_b)
+    for res, path in ((ra, path_a), (rb, path_b)):  # judged by the checks of this version
+        args = res.get("args") or {}
+        checks = evaluate(res, args.get("rss_slope_limit", 10.0), args.get("tie_margin", 0.05))
+        changed = [k for k in checks if res["checks"].get(k, {}).get("ok") != checks[k]["ok"]]
+        if changed:
+            print(f"{path}: re-evaluated, verdicts changed since the run: {', '.join(changed)}")
+        res["checks"] = {**res["checks"], **checks}
     print(f"{'check':26s} {ra.get('algorithm')!s:>16s} {rb.get('algorithm')!s:>16s}")
     word = {True: "ok", False: "FAIL", None: "-"}
     for name in dict.fromkeys(list(ra["checks"]) + list(rb["checks"])):

@@ -536,6 +536,20 @@ def test_rss_slope(soak):
     assert half[0][0] == 150 and half[-1][0] == 295
 
 
+def test_an_instance_rss_window_ends_where_the_restart_stopped_it(soak):
+    """Instance 0 serves until the half-time restart starts instance 1 (at 300 s), which is ready only at 400 s:
+    instance 0's window is its own 0-300 s (second half: 30 samples of it), not up to instance 1's readiness (its
+    second half would hold 10 samples of instance 0, the last 50 s before it stopped)."""
+    samples = [{"t": t, "instance": 0, "rss": {"scheduler": 3000 + 0.1 * t}} for t in range(0, 300, 5)]
+    samples += [{"t": t, "instance": 1, "rss": {"scheduler": 3500.0}} for t in range(400, 600, 5)]
+    res = {"load_window": [0, 600], "samples": samples,
+           "instances": [{"instance": 0, "started": -60.0, "startup_s": 60.0, "ready_at": 0.0},
+                         {"instance": 1, "started": 300.0, "startup_s": 100.0, "ready_at": 400.0}]}
+    w0, w1 = soak.rss_windows(res)
+    assert w0["window"] == [0, 300] and w0["points"] == 30 and math.isclose(w0["slope_mb_per_min"], 6.0)
+    assert w1["window"] == [400, 600] and w1["points"] == 20 and w1["slope_mb_per_min"] == 0.0
+
+
 def test_rss_windows_split_the_growth_by_kind(soak):
     """The RSS slope of each instance's window, and beside it which kind of page grows (here shared memory, as
     CUDA's pinned host memory would): 6 MB/min in all, of it shmem 6, anon and file flat."""
@@ -807,6 +821,13 @@ def test_compare(soak, tmp_path, capsys):
     assert soak.compare(str(pa), str(pb)) == 1
     out = capsys.readouterr().out
     assert "http_500" in out and "empty_text" in out
+    # a result judged by an older version of a check is judged again by this one, and the change is said
+    stored = dict(a, checks={**a["checks"], "server_up": {"ok": not a["checks"]["server_up"]["ok"]}})
+    pa.write_text(json.dumps(stored))
+    soak.compare(str(pa), str(pb))
+    out = capsys.readouterr().out
+    assert "verdicts changed since the run: server_up" in out
+    assert out.count("verdicts changed") == 1  # the control's stored verdicts stand
 
 
 def test_process_tree_rss_and_helpers(soak, tmp_path):
