@@ -74,12 +74,13 @@ class ForwardsChooser:
     step is mostly host time (a small model) and costs where it is not (a large model's step is the GPU streaming
     weights, and the host work of the next step already overlaps it): there a chunk of forwards runs no faster per
     token, delays the next chance to draft by up to ``limit - 1`` tokens and hands tokens to clients in groups. So
-    per batch size it measures the period per forward of plain steps of one forward and of ``limit`` forwards
-    (each after a plain step; ``samples`` of each, the chunked one first) and then runs chunks only while their
-    period per forward is below ``1 - margin`` times a single forward's. Every ``revisit`` plain steps the arm not
-    in use runs ``samples`` steps again, so a change of load is followed. Samples are exponential moving averages
-    (weight ``alpha``). Decisions depend on the step counts and on the samples the planner shares from TP rank 0,
-    so every rank chooses the same.
+    per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...: a batch's size drifts as its requests end, and one arm per
+    size would explore again at every size) it measures the period per forward of plain steps of one forward and
+    of ``limit`` forwards (each after a plain step; ``samples`` of each, the chunked one first) and then runs chunks
+    only while their period per forward is below ``1 - margin`` times a single forward's. Every ``revisit`` plain
+    steps the arm not in use runs ``samples`` steps again, so a change of load is followed. Samples are exponential
+    moving averages (weight ``alpha``). Decisions depend on the step counts and on the samples the planner shares
+    from TP rank 0, so every rank chooses the same.
     """
 
     def __init__(self, limit: int, max_batch: int, *, margin: float = 0.1, samples: int = 6, revisit: int = 512,
@@ -88,14 +89,18 @@ class ForwardsChooser:
             raise ValueError(f"limit must be an int >= 1, got {limit!r}")
         self.limit, self.max_batch = limit, max_batch
         self.margin, self.samples, self.revisit, self.alpha = margin, samples, revisit, alpha
-        self._arms: dict[int, list] = {}  # batch size -> [ema single, n single, ema chunk, n chunk, steps, revisit]
+        self._arms: dict[int, list] = {}  # bucket -> [ema single, n single, ema chunk, n chunk, steps, revisit]
+
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        """The largest batch size of ``batch_size``'s bucket: 1, 2, 4, 8, 16, ..."""
+        return 1 << (batch_size - 1).bit_length()
 
     def _arm(self, batch_size: int) -> list:
-        arm = self._arms.get(batch_size)
+        b = self.bucket(batch_size)
+        arm = self._arms.get(b)
         if arm is None:
-            if len(self._arms) >= 256:
-                self._arms.clear()
-            arm = self._arms[batch_size] = [0.0, 0, 0.0, 0, 0, 0]
+            arm = self._arms[b] = [0.0, 0, 0.0, 0, 0, 0]
         return arm
 
     def observe(self, batch_size: int, forwards: int, seconds_per_forward: float) -> None:
@@ -108,7 +113,7 @@ class ForwardsChooser:
 
     def chunked(self, batch_size: int) -> bool:
         """Whether plain steps of this batch size should run ``limit`` forwards now (before revisits)."""
-        arm = self._arms.get(batch_size)
+        arm = self._arms.get(self.bucket(batch_size))
         if arm is None or arm[3] < self.samples:
             return True
         if arm[1] < self.samples:
@@ -119,7 +124,7 @@ class ForwardsChooser:
         """The forwards a plain step of ``batch_size`` requests may run (`plain_forwards` caps it further)."""
         if batch_size > self.max_batch or self.limit <= 1:
             return 1
-        arm = self._arms.get(batch_size)
+        arm = self._arms.get(self.bucket(batch_size))
         chunk = self.chunked(batch_size)
         if arm is not None and arm[5] > 0:  # revisiting the other arm
             chunk = not chunk
@@ -140,6 +145,7 @@ class ForwardsChooser:
                 arm[5] = self.samples
 
     def summary(self) -> dict:
-        """Per batch size: ms per forward of single and chunked plain steps, sample counts, the current choice."""
-        return {str(b): {"single_ms": round(1e3 * a[0], 4), "single_n": a[1], "chunked_ms": round(1e3 * a[2], 4),
-                         "chunked_n": a[3], "chunked": self.chunked(b)} for b, a in list(self._arms.items())}
+        """Per bucket ("9-16"): ms per forward of single and chunked plain steps, sample counts, the current choice."""
+        return {(str(b) if b <= 2 else f"{b // 2 + 1}-{b}"): {
+            "single_ms": round(1e3 * a[0], 4), "single_n": a[1], "chunked_ms": round(1e3 * a[2], 4), "chunked_n": a[3],
+            "chunked": self.chunked(b)} for b, a in list(self._arms.items())}

@@ -112,3 +112,20 @@ def test_auto_forwards_follow_a_change_of_cost_and_leave_larger_batches_alone():
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError):
             ForwardsChooser(bad, 1)
+
+
+def test_auto_forwards_share_one_arm_per_batch_size_bucket():
+    """A batch's size drifts as its requests end: sizes 9-16 share what was measured, 5-8 explore anew."""
+    assert [ForwardsChooser.bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 48)] == [1, 2, 4, 4, 8, 8, 16, 16, 32, 64]
+    c = ForwardsChooser(4, 48, samples=2, revisit=10)
+    for b, f, ms in [(16, 4, 1.0), (13, 4, 1.0), (15, 1, 2.0), (9, 1, 2.0)]:
+        c.observe(b, f, ms / 1e3)
+    assert all(c.chunked(b) for b in range(9, 17))
+    assert c.forwards_limit(12) == 4
+    assert c.forwards_limit(8) == 4 and c.forwards_limit(48) == 4  # unmeasured buckets explore, chunked first
+    for b, f, ms in [(8, 4, 3.0), (7, 4, 3.0), (6, 1, 2.0), (5, 1, 2.0)]:
+        c.observe(b, f, ms / 1e3)
+    assert not c.chunked(6) and c.chunked(16)  # each bucket decides on its own samples
+    assert c.forwards_limit(49) == 1  # above max_batch
+    assert set(c.summary()) == {"9-16", "5-8"}
+

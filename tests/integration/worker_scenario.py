@@ -438,6 +438,14 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     planned_sizes = []  # the batch size of every plan (a batch above draft_max_batch runs without one)
     plan = worker.planner.plan
     worker.planner.plan = lambda views, **kw: planned_sizes.append(len(views)) or plan(views, **kw)
+    chunked_sizes = set()  # batch sizes whose plain steps ran several forwards (multi-step decoding)
+    forward_plain = worker._forward_plain
+
+    def counted_forward_plain(batch, roots, *args):
+        if len(args) > 3 and args[3] > 1:
+            chunked_sizes.add(len(batch.reqs))
+        return forward_plain(batch, roots, *args)
+    worker._forward_plain = counted_forward_plain
     device_steps = []  # the steps drafted on the device (`device_drafts`): (batch size, width)
     on_device = worker._forward_device_drafts
 
@@ -530,6 +538,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
            "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
            "preplan_failed": worker._preplan_failed, "lens_reports": worker._lens_reports,
            "planned_sizes": sorted(set(planned_sizes)), "device_steps": len(device_steps),
+           "chunked_sizes": sorted(chunked_sizes),
            "recycled_requests": worker.planner.recycled_requests,
            "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
                              if worker.planner.recycle_table is not None else 0),
