@@ -781,7 +781,8 @@ class Soak:
         if a.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(a.max_total_tokens)]
         if a.algorithm == "NGRAM_ADAPTIVE":
-            cfg = {"state_file": os.path.join(os.path.abspath(a.out), "controller_state.npz"),
+            cfg = {**json.loads(a.adaptive_config),
+                   "state_file": os.path.join(os.path.abspath(a.out), "controller_state.npz"),
                    "state_save_minutes": max(0.25, min(1.0, a.minutes / 8))}
             path = os.path.join(os.path.abspath(a.out), "adaptive_config.json")
             with open(path, "w") as f:
@@ -1562,6 +1563,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server's --max-running-requests, the same for every algorithm (NGRAM_ADAPTIVE's and "
                         "NGRAM's default is 48)")
     p.add_argument("--server-args", default="", help="extra launch_server arguments (one string)")
+    p.add_argument("--adaptive-config", default="{}",
+                   help="NGRAM_ADAPTIVE settings (a JSON object) beside the soak's own state_file, e.g. "
+                        "'{\"plain_forwards_max_batch\": 48}'")
     p.add_argument("--clients", type=int, default=8, help="client threads sending the request mix")
     p.add_argument("--kinds", help="comma-separated: the clients send only these kinds of request (default: all; "
                    f"{','.join(RequestMix.WEIGHTS)}), e.g. to find which kind a failure needs")

@@ -730,6 +730,10 @@ def test_default_commands(soak, tmp_path):
     assert flags["--speculative-algorithm"] == "NGRAM_ADAPTIVE"
     cfg = json.loads(Path(flags["--speculative-adaptive-config"]).read_text())
     assert cfg["state_file"] == str(tmp_path / "controller_state.npz") and 0 < cfg["state_save_minutes"] <= 1
+    a.adaptive_config = '{"plain_forwards_max_batch": 48}'  # settings of the run beside the soak's own
+    flags2 = dict(zip(c2 := s.server_cmd(), c2[1:]))
+    cfg = json.loads(Path(flags2["--speculative-adaptive-config"]).read_text())
+    assert cfg["plain_forwards_max_batch"] == 48 and cfg["state_file"] == str(tmp_path / "controller_state.npz")
     s.dataset_path = str(tmp_path / "d.json")
     bench = s.bench_cmd(8, 100, "o.jsonl", 3)
     flags = dict(zip(bench, bench[1:]))
