@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import gzip
 import json
 import os
@@ -211,12 +212,18 @@ def preamble_text(tok, n_tokens: int) -> str:
     return tok.decode(ids[:n_tokens], skip_special_tokens=True)
 
 
+@functools.lru_cache(maxsize=2)
+def tokenizer(model: str):
+    """The model's tokenizer, loaded once per process (a configuration's run needs it six times)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 def chat_prompts(model: str, prompts: list[str], preamble_tokens: int = 0) -> list[str]:
     """The prompts in the model's chat template; with ``preamble_tokens``, each behind the same long system prompt
     (`preamble_text`): every step then attends over thousands of tokens, as in agents' requests."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
+    tok = tokenizer(model)
     system = preamble_text(tok, preamble_tokens) if preamble_tokens > 0 else None
     if not getattr(tok, "chat_template", None):
         return [f"{system}\n\n{p}" if system else p for p in prompts]
@@ -227,9 +234,7 @@ def chat_prompts(model: str, prompts: list[str], preamble_tokens: int = 0) -> li
 
 def prompt_ids(model: str, sets: dict) -> dict:
     """Each set's prompts as the token ids the server sees (for a replay in the simulator)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
+    tok = tokenizer(model)
     return {name: [tok(p)["input_ids"] for p in prompts] for name, prompts in sets.items()}
 
 
@@ -362,6 +367,7 @@ def run_one(name: str, a) -> dict:
     engine = sglang.Engine(model_path=a.model, dtype=a.dtype, tp_size=a.tp, max_running_requests=max(a.concurrency),
                            **{**COMMON, **extra, **cfg})
     startup = time.time() - t0
+    print(f"[bench] {name}: engine started in {startup:.1f} s", file=sys.stderr, flush=True)  # in a timeout's tail
     sampling = {"temperature": 0, "max_new_tokens": a.max_new_tokens}
     pre = a.preamble_tokens
     sets = {"copy": chat_prompts(a.model, COPY_PROMPTS, pre)[: a.prompts_per_set],
