@@ -77,7 +77,9 @@ class ForwardsChooser:
     per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...: a batch's size drifts as its requests end, and one arm per
     size would explore again at every size) it measures the period per forward of plain steps of one forward and
     of ``limit`` forwards (each after a plain step; ``samples`` of each, the chunked one first) and then runs chunks
-    only while their period per forward is below ``1 - margin`` times a single forward's. Every ``revisit`` plain
+    only while their period per forward is below ``1 - margin`` times a single forward's. A bucket starts from
+    single forwards instead, and tries chunks only at its first revisit, where the nearest smaller bucket measured that
+    chunks do not pay: a larger batch's step holds more GPU work for the same host work. Every ``revisit`` plain
     steps the arm not in use runs ``samples`` steps again, so a change of load is followed. Samples are exponential
     moving averages (weight ``alpha``). Decisions depend on the step counts and on the samples the planner shares
     from TP rank 0, so every rank chooses the same.
@@ -111,14 +113,26 @@ class ForwardsChooser:
         arm[k] = seconds_per_forward if arm[k + 1] == 0 else arm[k] + self.alpha * (seconds_per_forward - arm[k])
         arm[k + 1] += 1
 
+    def _measured(self, arm: list) -> bool:
+        return arm[1] >= self.samples and arm[3] >= self.samples
+
+    def _pays(self, arm: list) -> bool:
+        return arm[2] < (1.0 - self.margin) * arm[0]
+
+    def _single_below(self, bucket: int) -> bool:
+        """Whether the nearest smaller bucket with both arms measured found that chunks do not pay."""
+        below = [b for b, a in self._arms.items() if b < bucket and self._measured(a)]
+        return bool(below) and not self._pays(self._arms[max(below)])
+
     def chunked(self, batch_size: int) -> bool:
         """Whether plain steps of this batch size should run ``limit`` forwards now (before revisits)."""
-        arm = self._arms.get(self.bucket(batch_size))
+        b = self.bucket(batch_size)
+        arm = self._arms.get(b)
         if arm is None or arm[3] < self.samples:
-            return True
+            return not self._single_below(b)  # chunks first, unless a smaller bucket found they do not pay
         if arm[1] < self.samples:
             return False
-        return arm[2] < (1.0 - self.margin) * arm[0]
+        return self._pays(arm)
 
     def forwards_limit(self, batch_size: int) -> int:
         """The forwards a plain step of ``batch_size`` requests may run (`plain_forwards` caps it further)."""
@@ -138,7 +152,7 @@ class ForwardsChooser:
         if arm[5] > 0:
             arm[5] -= 1
             return
-        if arm[1] >= self.samples and arm[3] >= self.samples:
+        if arm[1] >= self.samples and (arm[3] >= self.samples or self._single_below(self.bucket(batch_size))):
             arm[4] += 1
             if arm[4] >= self.revisit:
                 arm[4] = 0

@@ -129,3 +129,28 @@ def test_auto_forwards_share_one_arm_per_batch_size_bucket():
     assert c.forwards_limit(49) == 1  # above max_batch
     assert set(c.summary()) == {"9-16", "5-8"}
 
+
+
+def _drive(c, batch_size, single_ms, chunk_ms, steps):
+    seen = []
+    for _ in range(steps):
+        f = c.forwards_limit(batch_size)
+        c.stepped(batch_size, f)
+        c.observe(batch_size, f, (single_ms if f == 1 else chunk_ms) / 1e3)
+        seen.append(f)
+    return seen
+
+
+def test_a_bucket_starts_from_single_forwards_where_a_smaller_one_found_chunks_do_not_pay():
+    """GPU-bound (an 8B model): batch 1 measured that chunks cost as much per forward, so batches of 9-16 start from
+    one forward and try chunks only at their first revisit, instead of exploring them first."""
+    c = ForwardsChooser(4, 48, samples=3, revisit=20)
+    _drive(c, 1, 6.3, 6.3, 10)
+    assert not c.chunked(1)
+    seen = _drive(c, 16, 6.8, 6.8, 30)
+    assert seen[:23] == [1] * 23 and seen[23:26] == [4, 4, 4]  # `revisit` steps after its singles were measured
+    assert not c.chunked(12) and c.summary()["9-16"]["chunked_n"] == 3
+    # host-bound (a 135M model): batch 1 found chunks pay, so larger buckets explore chunks first, as batch 1 did
+    c = ForwardsChooser(4, 48, samples=3, revisit=20)
+    _drive(c, 1, 2.0, 0.5, 10)
+    assert _drive(c, 16, 2.3, 0.6, 6) == [4, 4, 4, 1, 1, 1] and c.chunked(16)
