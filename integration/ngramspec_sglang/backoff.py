@@ -76,13 +76,13 @@ class ForwardsChooser:
     token, delays the next chance to draft by up to ``limit - 1`` tokens and hands tokens to clients in groups. So
     per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...: a batch's size drifts as its requests end, and one arm per
     size would explore again at every size) it measures the period per forward of plain steps of one forward and
-    of ``limit`` forwards (each after a plain step; ``samples`` of each, the chunked one first) and then runs chunks
-    only while their period per forward is below ``1 - margin`` times a single forward's. A bucket starts from
-    single forwards instead, and tries chunks only at its first revisit, where the nearest smaller bucket measured that
-    chunks do not pay: a larger batch's step holds more GPU work for the same host work. Every ``revisit`` plain
-    steps the arm not in use runs ``samples`` steps again, so a change of load is followed. Samples are exponential
-    moving averages (weight ``alpha``). Decisions depend on the step counts and on the samples the planner shares
-    from TP rank 0, so every rank chooses the same.
+    of ``limit`` forwards (each after a plain step, launched without waiting for its tokens; ``samples`` of each, the
+    chunked one first) and then runs chunks only while their period per forward is below ``1 - margin`` times a
+    single forward's. A bucket starts from single forwards instead, and tries chunks only at its first revisit, where
+    the nearest smaller bucket measured that chunks do not pay: a larger batch's step holds more GPU work for the
+    same host work. Every ``revisit`` plain steps the arm not in use runs ``samples`` steps again, so a change of
+    load is followed. Samples are exponential moving averages (weight ``alpha``). Decisions depend on the step
+    counts and on the samples the planner shares from TP rank 0, so every rank chooses the same.
     """
 
     def __init__(self, limit: int, max_batch: int, *, margin: float = 0.1, samples: int = 6, revisit: int = 512,

@@ -17,7 +17,9 @@ A step that runs several decode forwards back to back (a plain step of ``forward
 `backoff.plain_forwards`) is recorded as what one of its forwards cost: its period divided by ``forwards``, the
 scheduler's host work shared among them. Given ``record_plain``, every plain step after a plain step is also
 reported there with its forwards (``record_plain(batch_size, forwards, seconds_per_forward)``), for the choice of
-how many forwards plain steps run (`backoff.ForwardsChooser`).
+how many forwards plain steps run (`backoff.ForwardsChooser`), unless the step waited for the previous step's
+tokens before it launched (a plan that wanted to draft, then drafted nothing on the exact tokens): that wait is
+planning's, and it would make a lone forward look dearer than a chunk of them, over which it is shared.
 Marks are CUDA events on the forward stream (read without blocking, once the GPU has passed them), or host
 clock readings where there is no GPU.
 
@@ -71,10 +73,11 @@ class StepTimer:
         return cls(record, mark, lambda e: e.query(), lambda a, b: a.elapsed_time(b) / 1000.0,
                    record_wait=record_wait, record_plain=record_plain)
 
-    def step_launched(self, width: int, batch_size: int, forwards: int = 1) -> None:
-        """Call after a decode step's work was launched (``forwards``: the decode forwards it ran back to back)."""
+    def step_launched(self, width: int, batch_size: int, forwards: int = 1, waited: bool = False) -> None:
+        """Call after a decode step's work was launched (``forwards``: the decode forwards it ran back to back;
+        ``waited``: it waited for the previous step's tokens before launching)."""
         self._queue.append((int(width), int(batch_size), self._mark(), self._chained, self._last_width > 1,
-                            int(forwards)))
+                            int(forwards), bool(waited)))
         self._chained = True
         self._last_width = int(width)
         self.harvest()
@@ -86,7 +89,7 @@ class StepTimer:
     def harvest(self) -> None:
         """Record every step whose end the device has passed (never waits)."""
         while self._queue and self._passed(self._queue[0][2]):
-            width, batch_size, mark, chained, after_draft, forwards = self._queue.popleft()
+            width, batch_size, mark, chained, after_draft, forwards, waited = self._queue.popleft()
             if chained and self._last is not None:
                 period = self._seconds(self._last, mark)
                 shape = (width, batch_size, forwards)
@@ -98,7 +101,7 @@ class StepTimer:
                         self._record_wait(batch_size, period)
                     else:
                         self._record(width, batch_size, period / forwards)
-                        if width == 1 and not after_draft and self._record_plain is not None:
+                        if width == 1 and not after_draft and not waited and self._record_plain is not None:
                             self._record_plain(batch_size, forwards, period / forwards)
                     self.recorded += 1
                 else:

@@ -281,8 +281,8 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         return None
 
     # ------------------------------------------------------------------------------ stepping
-    def _step_launched(self, width: int, bs: int, forwards: int = 1) -> None:
-        self._timer.step_launched(width, bs, forwards)
+    def _step_launched(self, width: int, bs: int, forwards: int = 1, waited: bool = False) -> None:
+        self._timer.step_launched(width, bs, forwards, waited)
         if self._kprof is not None:
             self._kprof.launched(width, bs, forwards)
 
@@ -420,7 +420,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         if plan.width > 1:
             self._last_width = plan.width
         self._backoff.planned(plan.width)
-        self._step_launched(plan.width, bs, forwards)
+        self._step_launched(plan.width, bs, forwards, waited > 0)
         if self._profile is not None:
             self._profile.add_device(plan.width, bs, (m0, *self._fwd_marks, self._dmark()))
             self._profile.add(plan.width, bs, lagging, waited, t_plan - t0 - waited, time.perf_counter() - t_plan,

@@ -197,6 +197,23 @@ def test_plain_steps_after_plain_steps_reach_record_plain_with_their_forwards():
     assert (8, 1, 1.0) in records
 
 
+def test_a_plain_step_that_waited_for_the_previous_tokens_is_no_sample_of_plain_forwards():
+    """A plan that wanted to draft waited for the exact tokens and then drafted nothing: the step's period holds
+    that wait. It is still the controller's cost sample, but not a sample of one forward against a chunk."""
+    plain, records = [], []
+    clock = iter([0.0, 1.0, 3.5, 4.5, 5.5])
+    timer = StepTimer(lambda *r: records.append(r), lambda: next(clock), lambda m: True, lambda a, b: b - a,
+                      drop_first_of_each_shape=False, record_wait=lambda *r: None,
+                      record_plain=lambda *r: plain.append(r))
+    timer.step_launched(1, 2)
+    timer.step_launched(1, 2)  # period 1.0
+    timer.step_launched(1, 2, waited=True)  # period 2.5: the wait included
+    timer.step_launched(1, 2, 4, waited=True)  # a chunk after a wait: no sample either
+    timer.step_launched(1, 2)
+    assert plain == [(2, 1, 1.0), (2, 1, 1.0)]
+    assert records == [(1, 2, 1.0), (1, 2, 2.5), (1, 2, 0.25), (1, 2, 1.0)]
+
+
 def test_planner_shares_plain_samples_and_the_auto_choice_is_the_same_on_every_rank(tmp_path):
     from ngramspec_sglang.drafting import DraftPlanner, RequestView, WidthCycleController
 
