@@ -139,7 +139,7 @@ CONFIGS = {
     # the wait after a draft counted as plain decoding's cost (the default before charge_waits_to_drafts was)
     "adaptive_nocw": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"charge_waits_to_drafts": False}),
     "adaptive_chain": dict(speculative_algorithm="NGRAM_ADAPTIVE", speculative_ngram_max_bfs_breadth=1),
-    # plain_forwards "auto" (measured per batch-size bucket) up to batch 48; the default: batch size 1 only
+    # plain_forwards "auto" (measured per batch-size bucket) up to batch 48 (the default), or at batch size 1 only
     "adaptive_mb48": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plain_forwards_max_batch": 48}),
     "adaptive_mb1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plain_forwards_max_batch": 1}),
     # one decode forward per scheduler step where nothing is drafted (the default runs up to 4 where it pays)

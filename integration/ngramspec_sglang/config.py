@@ -24,7 +24,7 @@ DEFAULT_DRAFT_MAX_BATCH = 48  # larger decode batches run plainly, under plain d
 DEFAULT_TP_SYNC_INTERVAL = 8
 DEFAULT_STATE_SAVE_MINUTES = 10.0
 DEFAULT_PLAIN_FORWARDS = 4
-DEFAULT_PLAIN_FORWARDS_MAX_BATCH = 1
+DEFAULT_PLAIN_FORWARDS_MAX_BATCH = 48  # "auto" measures per batch-size bucket up to here
 DEFAULT_PINNED_CACHE_MB = 64
 
 # SGLang `--speculative-ngram-*` options we do not use, with the reason shown to the user.

@@ -171,7 +171,7 @@ def test_the_plain_forwards_knob_is_read_and_validated(tmp_path):
     assert config_from({}).plain_forwards == 4 and config_from({}).plain_forwards_auto  # "auto": up to 4
     assert config_from({"plain_forwards": "auto"}).plain_forwards_auto
     assert not config_from({"plain_forwards": 4}).plain_forwards_auto  # an int: always that many
-    assert config_from({}).plain_forwards_max_batch == 1
+    assert config_from({}).plain_forwards_max_batch == 48
     assert config_from({"plain_forwards_max_batch": 16}).plain_forwards_max_batch == 16
     for bad in (0, 1.5, None, "2"):
         with pytest.raises(ValueError, match="plain_forwards_max_batch"):
@@ -223,7 +223,8 @@ def test_planner_shares_plain_samples_and_the_auto_choice_is_the_same_on_every_r
     shared = []
     rank0 = DraftPlanner(config(), broadcast=lambda obj: shared.append(list(obj)) or obj)
     rank1 = DraftPlanner(config(), is_timing_rank=False, broadcast=lambda obj: shared[-1])
-    assert rank0.forwards is not None and rank0.forwards_limit(1) == 4 and rank0.forwards_limit(2) == 1
+    assert rank0.forwards is not None and rank0.forwards_limit(1) == 4 and rank0.forwards_limit(2) == 4
+    assert rank0.forwards_limit(49) == 1  # above plain_forwards_max_batch
     views = [RequestView("r", [1, 2, 3], [])]
     for step in range(12):  # chunks cost 3 ms a forward, single forwards 2 ms
         f = rank0.forwards_limit(1)
@@ -238,7 +239,8 @@ def test_planner_shares_plain_samples_and_the_auto_choice_is_the_same_on_every_r
     assert rank0.forwards.summary() == rank1.forwards.summary()
     assert rank0.forwards_limit(1) == rank1.forwards_limit(1) == 1
     fixed = DraftPlanner(config(plain_forwards=2))
-    assert fixed.forwards is None and fixed.forwards_limit(1) == 2 and fixed.forwards_limit(3) == 1
+    assert fixed.forwards is None and fixed.forwards_limit(1) == fixed.forwards_limit(48) == 2
+    assert fixed.forwards_limit(49) == 1
     # the width sweep: widths in turn, drafts cut to fit
     sweep = DraftPlanner(config(width_cycle=(2, 4, 1)))
     assert isinstance(sweep.controller, WidthCycleController)
