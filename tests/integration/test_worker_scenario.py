@@ -78,13 +78,9 @@ for _name, _config in CONFIGS.items():
 # the controller would rightly draft nothing there, so their plain steps run one forward
 for _name in ("recycle", "recycle64", "dmb2", "sampled_nograph_preplan"):
     CONFIGS[_name]["plain_forwards_max_batch"] = 1
-# multi-step plain decoding measured at every batch size up to 48 (`plain_forwards_max_batch`, the default), with a
-# request leaving and one joining
-CONFIGS.update({"chunks": {"widths": [1, 2, 4, 8, 16], "plain_forwards_max_batch": 48, "preplan": False},
-                "chunks_abort": {"widths": [1, 2, 4, 8, 16], "plain_forwards_max_batch": 48, "preplan": False},
-                "chunks_join": {"widths": [1, 2, 4, 8, 16], "plain_forwards_max_batch": 48, "preplan": False}})
-ABORT_AT["chunks_abort"] = 9
-JOIN_AT["chunks_join"] = 12
+# a request leaving a batch whose plain steps run several forwards (the defaults, without preplan)
+CONFIGS["abort"] = {"widths": [1, 2, 4, 8, 16], "preplan": False}
+ABORT_AT["abort"] = 9
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +120,7 @@ def test_every_output_equals_the_models_greedy_tokens(results, name):
 def test_plain_steps_of_several_requests_run_several_forwards_and_stay_exact(results):
     """`plain_forwards` "auto" measures chunks at every batch size up to `plain_forwards_max_batch` (48 by default):
     the three-request batches of these runs take chunked plain steps, a request leaving or joining included."""
-    for name in ("defaults", "chunks", "chunks_abort", "chunks_join"):
+    for name in ("defaults", "abort", "join"):
         r = results[name]
         assert r["outputs_equal_truth"] and max(r["chunked_sizes"]) >= 3, (name, r["chunked_sizes"])
     assert results["recycle"]["chunked_sizes"] in ([], [1])  # plain_forwards_max_batch 1
