@@ -10,6 +10,9 @@ on every TP rank, so all ranks skip the same steps.
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 
 class PlanBackoff:
     def __init__(self, max_skipped: int = 3):
@@ -81,43 +84,44 @@ class ForwardsChooser:
     single forward's. A bucket starts from single forwards instead, and tries chunks only at its first revisit, where
     the nearest smaller bucket measured that chunks do not pay: a larger batch's step holds more GPU work for the
     same host work. Every ``revisit`` plain steps the arm not in use runs ``samples`` steps again, so a change of
-    load is followed. Samples are exponential moving averages (weight ``alpha``). Decisions depend on the step
-    counts and on the samples the planner shares from TP rank 0, so every rank chooses the same.
+    load is followed. Each arm's estimate is the median of its last ``samples`` samples: a lone slow step
+    (a stall of the host) would move a mean by more than the margin, and it weighs ``limit`` times more on a single
+    forward than on a chunk, where its period is shared.
+    Decisions depend on the step counts and on the samples the planner shares from TP rank 0, so every rank
+    chooses the same.
     """
 
-    def __init__(self, limit: int, max_batch: int, *, margin: float = 0.1, samples: int = 6, revisit: int = 512,
-                 alpha: float = 0.2):
+    def __init__(self, limit: int, max_batch: int, *, margin: float = 0.1, samples: int = 6, revisit: int = 512):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be an int >= 1, got {limit!r}")
         self.limit, self.max_batch = limit, max_batch
-        self.margin, self.samples, self.revisit, self.alpha = margin, samples, revisit, alpha
-        self._arms: dict[int, list] = {}  # bucket -> [ema single, n single, ema chunk, n chunk, steps, revisit]
+        self.margin, self.samples, self.revisit = margin, samples, revisit
+        self._arms: dict[int, _Arm] = {}
 
     @staticmethod
     def bucket(batch_size: int) -> int:
         """The largest batch size of ``batch_size``'s bucket: 1, 2, 4, 8, 16, ..."""
         return 1 << (batch_size - 1).bit_length()
 
-    def _arm(self, batch_size: int) -> list:
+    def _arm(self, batch_size: int) -> _Arm:
         b = self.bucket(batch_size)
         arm = self._arms.get(b)
         if arm is None:
-            arm = self._arms[b] = [0.0, 0, 0.0, 0, 0, 0]
+            arm = self._arms[b] = _Arm(self.samples)
         return arm
 
     def observe(self, batch_size: int, forwards: int, seconds_per_forward: float) -> None:
         """A plain step after a plain step: its period divided by its forwards."""
         if batch_size > self.max_batch or self.limit <= 1:
             return
-        arm, k = self._arm(batch_size), (0 if forwards == 1 else 2)
-        arm[k] = seconds_per_forward if arm[k + 1] == 0 else arm[k] + self.alpha * (seconds_per_forward - arm[k])
-        arm[k + 1] += 1
+        arm = self._arm(batch_size)
+        (arm.single if forwards == 1 else arm.chunk).add(seconds_per_forward)
 
-    def _measured(self, arm: list) -> bool:
-        return arm[1] >= self.samples and arm[3] >= self.samples
+    def _measured(self, arm: _Arm) -> bool:
+        return arm.single.n >= self.samples and arm.chunk.n >= self.samples
 
-    def _pays(self, arm: list) -> bool:
-        return arm[2] < (1.0 - self.margin) * arm[0]
+    def _pays(self, arm: _Arm) -> bool:
+        return arm.chunk.median < (1.0 - self.margin) * arm.single.median
 
     def _single_below(self, bucket: int) -> bool:
         """Whether the nearest smaller bucket with both arms measured found that chunks do not pay."""
@@ -128,9 +132,9 @@ class ForwardsChooser:
         """Whether plain steps of this batch size should run ``limit`` forwards now (before revisits)."""
         b = self.bucket(batch_size)
         arm = self._arms.get(b)
-        if arm is None or arm[3] < self.samples:
+        if arm is None or arm.chunk.n < self.samples:
             return not self._single_below(b)  # chunks first, unless a smaller bucket found they do not pay
-        if arm[1] < self.samples:
+        if arm.single.n < self.samples:
             return False
         return self._pays(arm)
 
@@ -140,7 +144,7 @@ class ForwardsChooser:
             return 1
         arm = self._arms.get(self.bucket(batch_size))
         chunk = self.chunked(batch_size)
-        if arm is not None and arm[5] > 0:  # revisiting the other arm
+        if arm is not None and arm.revisit > 0:  # revisiting the other arm
             chunk = not chunk
         return self.limit if chunk else 1
 
@@ -149,17 +153,48 @@ class ForwardsChooser:
         if batch_size > self.max_batch or self.limit <= 1:
             return
         arm = self._arm(batch_size)
-        if arm[5] > 0:
-            arm[5] -= 1
+        if arm.revisit > 0:
+            arm.revisit -= 1
             return
-        if arm[1] >= self.samples and (arm[3] >= self.samples or self._single_below(self.bucket(batch_size))):
-            arm[4] += 1
-            if arm[4] >= self.revisit:
-                arm[4] = 0
-                arm[5] = self.samples
+        if arm.single.n >= self.samples and (arm.chunk.n >= self.samples
+                                             or self._single_below(self.bucket(batch_size))):
+            arm.steps += 1
+            if arm.steps >= self.revisit:
+                arm.steps = 0
+                arm.revisit = self.samples
 
     def summary(self) -> dict:
-        """Per bucket ("9-16"): ms per forward of single and chunked plain steps, sample counts, the current choice."""
+        """Per bucket ("9-16"): ms per forward of single and chunked plain steps (medians of the last ``samples``),
+        sample counts, the current choice."""
         return {(str(b) if b <= 2 else f"{b // 2 + 1}-{b}"): {
-            "single_ms": round(1e3 * a[0], 4), "single_n": a[1], "chunked_ms": round(1e3 * a[2], 4), "chunked_n": a[3],
+            "single_ms": round(1e3 * a.single.median, 4), "single_n": a.single.n,
+            "chunked_ms": round(1e3 * a.chunk.median, 4), "chunked_n": a.chunk.n,
             "chunked": self.chunked(b)} for b, a in list(self._arms.items())}
+
+
+class _Samples:
+    """The last ``window`` samples of one arm and their median, kept current as samples arrive."""
+
+    __slots__ = ("_ring", "n", "median")
+
+    def __init__(self, window: int):
+        self._ring: deque[float] = deque(maxlen=window)
+        self.n = 0  # samples seen in all
+        self.median = 0.0
+
+    def add(self, value: float) -> None:
+        self._ring.append(value)
+        self.n += 1
+        self.median = statistics.median(self._ring)
+
+
+class _Arm:
+    """One batch-size bucket: samples of single and chunked plain steps; plain steps toward the next revisit and
+    steps left of the current one."""
+
+    __slots__ = ("single", "chunk", "steps", "revisit")
+
+    def __init__(self, window: int):
+        self.single, self.chunk = _Samples(window), _Samples(window)
+        self.steps = 0
+        self.revisit = 0

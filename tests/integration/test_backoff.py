@@ -98,12 +98,13 @@ def test_auto_forwards_chunk_only_where_a_forward_costs_less_chunked():
 
 
 def test_auto_forwards_follow_a_change_of_cost_and_leave_larger_batches_alone():
-    c = ForwardsChooser(4, 1, samples=2, revisit=10)
-    for f, ms in [(4, 1.0), (4, 1.0), (1, 2.0), (1, 2.0)]:
+    c = ForwardsChooser(4, 1, samples=3, revisit=10)
+    for f, ms in [(4, 1.0), (4, 1.0), (4, 1.0), (1, 2.0), (1, 2.0), (1, 2.0)]:
         c.observe(1, f, ms / 1e3)
     assert c.chunked(1)
-    for _ in range(30):  # chunks become dear (the same samples every rank gets): the EMA turns the choice
-        c.observe(1, 4, 3.0 / 1e3)
+    c.observe(1, 4, 3.0 / 1e3)  # chunks become dear (the same samples every rank gets): one slow chunk is noise,
+    assert c.chunked(1)
+    c.observe(1, 4, 3.0 / 1e3)  # most of the last `samples` is a change of cost
     assert not c.chunked(1)
     assert c.forwards_limit(2) == 1  # above max_batch
     c.observe(2, 4, 0.1)  # ignored
@@ -112,6 +113,21 @@ def test_auto_forwards_follow_a_change_of_cost_and_leave_larger_batches_alone():
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError):
             ForwardsChooser(bad, 1)
+
+
+def test_auto_forwards_a_lone_slow_single_forward_does_not_buy_chunks():
+    """A large model: one forward costs what a chunk's forward does (6.5 ms), and one single step among them stalled
+    (13.7 ms, as seen at 8B cost). A mean of the single steps would put a chunk's forward 10% below one alone; the
+    median keeps one forward per step."""
+    c = ForwardsChooser(4, 16, samples=6, revisit=100)
+    for ms in (6.5, 6.6, 6.5, 6.6, 6.5, 6.5):
+        c.observe(16, 4, ms / 1e3)
+    for ms in (6.6, 6.7, 13.7, 6.6, 6.7, 6.6):
+        c.observe(16, 1, ms / 1e3)
+    assert not c.chunked(16)
+    assert c.summary()["9-16"]["single_ms"] == 6.65
+    mean = sum((6.6, 6.7, 13.7, 6.6, 6.7, 6.6)) / 6
+    assert 6.5 < 0.9 * mean  # what a mean would have chosen: chunks
 
 
 def test_auto_forwards_share_one_arm_per_batch_size_bucket():
