@@ -424,6 +424,7 @@ def run_one(name: str, a) -> dict:
                     run["tok_s_repeats"] = [r["tok_s"] for r in passes]
                     run["accept_len_repeats"] = [r["accept_len"] for r in passes]
                     run["period_ms_repeats"] = [(r["scheduler"] or {}).get("period_ms") for r in passes]
+                    run["host_probe_ms_repeats"] = [r["host_probe_ms"] for r in passes]
                     run["new_triton_kernels_repeats"] = [r["new_triton_kernels"] for r in passes]
     finally:
         engine.shutdown()
@@ -479,7 +480,22 @@ def triton_entry(entry: tuple) -> str:
     return f"{name} " + json.dumps({k: meta[k] for k in keys if k in meta}, default=str)[:400]
 
 
+def host_probe(reps: int = 5, n: int = 20000) -> float:
+    """Milliseconds of a fixed pure-Python workload (median of ``reps``), run while the server is idle. The
+    scheduler's work is Python too: a host that runs this slower (another CPU, cores shared with other jobs) runs
+    the scheduler slower, which the GPU figures alone would not tell apart from a slower version."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        d: dict = {}
+        for i in range(n):
+            d[i & 1023] = d.get(i & 1023, 0) + i
+        times.append(time.perf_counter() - t)
+    return round(1e3 * statistics.median(times), 3)
+
+
 def timed_run(engine, prompts, sampling, conc, prof, sched) -> dict:
+    probe = host_probe()
     before, sched_before = profile_snapshot(prof), profile_snapshot(sched)
     t = time.perf_counter()
     if conc == 1:
@@ -492,7 +508,7 @@ def timed_run(engine, prompts, sampling, conc, prof, sched) -> dict:
     sched_d = sched_delta(sched_before, profile_snapshot(sched))
     tokens = sum(r["meta_info"]["completion_tokens"] for r in res)
     steps = [r["meta_info"].get("spec_verify_ct") or 0 for r in res]
-    return {"seconds": round(secs, 3), "tokens": tokens, "tok_s": round(tokens / secs, 1),
+    return {"seconds": round(secs, 3), "tokens": tokens, "tok_s": round(tokens / secs, 1), "host_probe_ms": probe,
             "accept_len": round(tokens / sum(steps), 3) if sum(steps) else None,
             "profile": prof_d, "scheduler": sched_d,
             "output_ids": [r.get("output_ids") for r in res], "texts": [r["text"] for r in res]}
@@ -614,6 +630,16 @@ def print_summary(results: dict) -> None:
                     print(f"{name:14s} {run:9s} {' '.join(f'{x:8.1f}' for x in reps)}  x plain {ratio:6.3f}"
                           + (f"  period ms {periods}" if periods.strip("- ") else "")
                           + (f"  Triton built: {built}" if built else ""))
+    probes = {name: [p for r in res.get("runs", {}).values()
+                     for p in (r.get("host_probe_ms_repeats") or [r.get("host_probe_ms")]) if p is not None]
+              for name, res in results.items()}
+    if any(probes.values()):
+        print("\nhost probe: ms of a fixed Python workload before each timed set (median of 5; a slower host reads "
+              "higher)")
+        for name, ps in probes.items():
+            if ps:
+                print(f"{name:14s} median {statistics.median(ps):7.3f}  min {min(ps):7.3f}  max {max(ps):7.3f}  "
+                      f"({len(ps)} sets)")
     for name, res in results.items():
         for run, r in res.get("runs", {}).items():
             kinds = (r.get("profile") or {}).get("host_ms_by_kind")

@@ -140,7 +140,8 @@ def test_summary_prints_the_tables_of_a_saved_run_without_a_model(bench, monkeyp
     monkeypatch.setattr(sys, "argv", ["bench", "--out", str(out), "--summary"])
     assert module.main() == 0
     text = capsys.readouterr().out
-    assert "repeated sets" in text and len([ln for ln in text.splitlines() if ln.startswith("adaptive ")]) == 6
+    # four sets, two repeated sets, the host probe
+    assert "repeated sets" in text and len([ln for ln in text.splitlines() if ln.startswith("adaptive ")]) == 7
     assert not engines[2:]  # no engine started
     monkeypatch.setattr(sys, "argv", ["bench", "--out", str(out)])
     with pytest.raises(SystemExit):
@@ -154,3 +155,23 @@ def test_drafting_steps_compare_the_expectation_with_the_tokens_committed_on_the
     assert module.drafting_steps(ctl) == (2.0, 1.75)  # bonus token + accepted draft tokens of both sources
     assert module.drafting_steps({"expected_tokens_per_request": None, "sources": None}) is None  # no drafting step
     assert module.drafting_steps({"expected_tokens_per_request": 2.0, "sources": {}}) is None
+
+
+def test_each_timed_set_records_a_host_probe_and_the_summary_gives_each_configs_spread(bench, monkeypatch, capsys):
+    """A slow host shows as a slower probe beside the figures, so a slower run is not read as a slower version."""
+    module, _ = bench
+    assert module.host_probe(reps=3, n=1000) > 0.0
+    readings = iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 9.0, 9.0, 9.0, 9.0, 9.0, 9.0])
+    monkeypatch.setattr(module, "host_probe", lambda: next(readings))
+    res = {"plain": module.run_one("plain", args(2)), "adaptive": module.run_one("adaptive", args(2))}
+    runs = res["plain"]["runs"]
+    assert [runs[k]["host_probe_ms"] for k in ("copy/c1", "free/c1")] == [1.0, 2.0]
+    assert runs["copy/c4"]["host_probe_ms_repeats"] == [3.0, 4.0] and runs["copy/c4"]["host_probe_ms"] == 3.0
+    assert runs["free/c4"]["host_probe_ms_repeats"] == [5.0, 6.0]
+    module.print_summary(res)
+    text = capsys.readouterr().out
+    assert "host probe" in text
+    plain = [ln for ln in text.splitlines() if ln.startswith("plain ") and "median" in ln]
+    adaptive = [ln for ln in text.splitlines() if ln.startswith("adaptive ") and "median" in ln]
+    assert plain[0].split()[1:7] == ["median", "3.500", "min", "1.000", "max", "6.000"] and "(6 sets)" in plain[0]
+    assert adaptive[0].split()[1:7] == ["median", "9.000", "min", "9.000", "max", "9.000"]
