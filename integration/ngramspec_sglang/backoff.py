@@ -70,25 +70,26 @@ def plain_forwards(limit: int, batch, max_batch: int | None = None) -> int:
 
 
 class ForwardsChooser:
-    """Multi-step plain decoding only where it pays, decided from measured step periods (``plain_forwards``
-    "auto", the default).
+    """Multi-step plain decoding only where it pays, decided from measured step periods (``plain_forwards`` "auto",
+    the default).
 
     Several decode forwards per scheduler step share the scheduler's per-step host work; that pays where a decode
     step is mostly host time (a small model) and costs where it is not (a large model's step is the GPU streaming
     weights, and the host work of the next step already overlaps it): there a chunk of forwards runs no faster per
     token, delays the next chance to draft by up to ``limit - 1`` tokens and hands tokens to clients in groups. So
     per batch-size bucket (1, 2, 3-4, 5-8, 9-16, ...: a batch's size drifts as its requests end, and one arm per
-    size would explore again at every size) it measures the period per forward of plain steps of one forward and
-    of ``limit`` forwards (each after a plain step, launched without waiting for its tokens; ``samples`` of each, the
+    size would explore again at every size) it measures the period per forward of plain steps of one forward and of
+    ``limit`` forwards (each after a plain step, launched without waiting for its tokens; ``samples`` of each, the
     chunked one first) and then runs chunks only while their period per forward is below ``1 - margin`` times a
-    single forward's. A bucket starts from single forwards instead, and tries chunks only at its first revisit, where
-    the nearest smaller bucket measured that chunks do not pay: a larger batch's step holds more GPU work for the
-    same host work. Every ``revisit`` plain steps the arm not in use runs ``samples`` steps again, so a change of
-    load is followed. Each arm's estimate is the median of its last ``samples`` samples: a lone slow step
-    (a stall of the host) would move a mean by more than the margin, and it weighs ``limit`` times more on a single
-    forward than on a chunk, where its period is shared.
-    Decisions depend on the step counts and on the samples the planner shares from TP rank 0, so every rank
-    chooses the same.
+    single forward's. Once a bucket has decided, the others start from its choice (the nearest decided bucket's, the
+    smaller on a tie) and measure the other arm only at their first revisit: exploring chunks costs a large model's
+    batch a chance to draft at every step of them, and a batch draining from 16 requests to 1 passes through five
+    buckets. Every ``revisit`` plain steps the arm not in use runs ``samples`` steps again, so a change of load is
+    followed, and a bucket that started from another's choice then decides on its own. Each arm's estimate is the
+    median of its last ``samples`` samples: a lone slow step (a stall of the host) would move a mean by more than
+    the margin, and it weighs ``limit`` times more on a single forward than on a chunk, where its period is shared.
+    Decisions depend on the step counts and on the samples the planner shares from TP rank 0, so every rank chooses
+    the same.
     """
 
     def __init__(self, limit: int, max_batch: int, *, margin: float = 0.1, samples: int = 6, revisit: int = 512):
@@ -123,20 +124,24 @@ class ForwardsChooser:
     def _pays(self, arm: _Arm) -> bool:
         return arm.chunk.median < (1.0 - self.margin) * arm.single.median
 
-    def _single_below(self, bucket: int) -> bool:
-        """Whether the nearest smaller bucket with both arms measured found that chunks do not pay."""
-        below = [b for b, a in self._arms.items() if b < bucket and self._measured(a)]
-        return bool(below) and not self._pays(self._arms[max(below)])
+    def _prior(self, bucket: int) -> bool | None:
+        """The choice of the nearest bucket with both arms measured (the smaller on a tie), None if none is."""
+        decided = [b for b, a in self._arms.items() if b != bucket and self._measured(a)]
+        if not decided:
+            return None
+        nearest = min(decided, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        return self._pays(self._arms[nearest])
 
     def chunked(self, batch_size: int) -> bool:
         """Whether plain steps of this batch size should run ``limit`` forwards now (before revisits)."""
         b = self.bucket(batch_size)
         arm = self._arms.get(b)
-        if arm is None or arm.chunk.n < self.samples:
-            return not self._single_below(b)  # chunks first, unless a smaller bucket found they do not pay
-        if arm.single.n < self.samples:
-            return False
-        return self._pays(arm)
+        if arm is not None and self._measured(arm):
+            return self._pays(arm)
+        prior = self._prior(b)
+        if prior is not None:
+            return prior
+        return arm is None or arm.chunk.n < self.samples  # nothing decided anywhere: chunks first, then singles
 
     def forwards_limit(self, batch_size: int) -> int:
         """The forwards a plain step of ``batch_size`` requests may run (`plain_forwards` caps it further)."""
@@ -156,8 +161,8 @@ class ForwardsChooser:
         if arm.revisit > 0:
             arm.revisit -= 1
             return
-        if arm.single.n >= self.samples and (arm.chunk.n >= self.samples
-                                             or self._single_below(self.bucket(batch_size))):
+        in_use = arm.chunk if self.chunked(batch_size) else arm.single
+        if in_use.n >= self.samples and (self._measured(arm) or self._prior(self.bucket(batch_size)) is not None):
             arm.steps += 1
             if arm.steps >= self.revisit:
                 arm.steps = 0

@@ -157,7 +157,7 @@ def _drive(c, batch_size, single_ms, chunk_ms, steps):
     return seen
 
 
-def test_a_bucket_starts_from_single_forwards_where_a_smaller_one_found_chunks_do_not_pay():
+def test_a_bucket_starts_from_the_choice_a_decided_bucket_made():
     """GPU-bound (an 8B model): batch 1 measured that chunks cost as much per forward, so batches of 9-16 start from
     one forward and try chunks only at their first revisit, instead of exploring them first."""
     c = ForwardsChooser(4, 48, samples=3, revisit=20)
@@ -166,7 +166,21 @@ def test_a_bucket_starts_from_single_forwards_where_a_smaller_one_found_chunks_d
     seen = _drive(c, 16, 6.8, 6.8, 30)
     assert seen[:23] == [1] * 23 and seen[23:26] == [4, 4, 4]  # `revisit` steps after its singles were measured
     assert not c.chunked(12) and c.summary()["9-16"]["chunked_n"] == 3
-    # host-bound (a 135M model): batch 1 found chunks pay, so larger buckets explore chunks first, as batch 1 did
+    # host-bound (a 135M model): batch 1 found chunks pay, so batches of 9-16 start chunked and measure single
+    # forwards at their first revisit; then they decide on their own samples
     c = ForwardsChooser(4, 48, samples=3, revisit=20)
     _drive(c, 1, 2.0, 0.5, 10)
-    assert _drive(c, 16, 2.3, 0.6, 6) == [4, 4, 4, 1, 1, 1] and c.chunked(16)
+    seen = _drive(c, 16, 2.3, 0.6, 30)
+    assert seen[:23] == [4] * 23 and seen[23:26] == [1, 1, 1] and seen[26:] == [4] * 4
+    assert c.summary()["9-16"]["single_n"] == 3 and c.chunked(16)
+
+
+def test_a_draining_batch_explores_chunks_in_its_first_bucket_only():
+    """An 8B model's batch of 16 drains to 1 as its requests end: the 9-16 bucket measures both arms, finds that
+    chunks do not pay, and the smaller buckets the batch passes through run one forward per step from the start
+    (each would otherwise spend `samples` plain steps on chunks, every one of them a step that does not draft)."""
+    c = ForwardsChooser(4, 48, samples=3, revisit=100)
+    assert _drive(c, 16, 6.6, 6.5, 10) == [4, 4, 4, 1, 1, 1, 1, 1, 1, 1]
+    for bs in (8, 4, 2, 1):
+        assert _drive(c, bs, 6.3, 6.3, 10) == [1] * 10
+    assert all(arm["chunked_n"] == 0 for b, arm in c.summary().items() if b != "9-16")
