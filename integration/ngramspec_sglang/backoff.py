@@ -82,21 +82,23 @@ class ForwardsChooser:
     ``limit`` forwards (each after a plain step, launched without waiting for its tokens; ``samples`` of each, the
     chunked one first) and then runs chunks only while their period per forward is below ``1 - margin`` times a
     single forward's. Once a bucket has decided, the others start from its choice (the nearest decided bucket's, the
-    smaller on a tie) and measure the other arm only at their first revisit: exploring chunks costs a large model's
-    batch a chance to draft at every step of them, and a batch draining from 16 requests to 1 passes through five
-    buckets. Every ``revisit`` plain steps the arm not in use runs ``samples`` steps again, so a change of load is
-    followed, and a bucket that started from another's choice then decides on its own. Each arm's estimate is the
+    smaller on a tie) and measure the other arm only at their first revisit, after ``first_revisit`` plain steps:
+    exploring chunks costs a large model's batch a chance to draft at every step of them, and a batch draining from
+    16 requests to 1 passes through five buckets; where the other bucket's choice does not hold for this one (chunks
+    that pay at batch 1 need not at 16) it holds only that long. Every ``revisit`` plain steps the arm not in use
+    runs ``samples`` steps again, so a change of load is followed. Each arm's estimate is the
     median of its last ``samples`` samples: a lone slow step (a stall of the host) would move a mean by more than
     the margin, and it weighs ``limit`` times more on a single forward than on a chunk, where its period is shared.
     Decisions depend on the step counts and on the samples the planner shares from TP rank 0, so every rank chooses
     the same.
     """
 
-    def __init__(self, limit: int, max_batch: int, *, margin: float = 0.1, samples: int = 6, revisit: int = 512):
+    def __init__(self, limit: int, max_batch: int, *, margin: float = 0.1, samples: int = 6, revisit: int = 512,
+                 first_revisit: int = 64):
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"limit must be an int >= 1, got {limit!r}")
         self.limit, self.max_batch = limit, max_batch
-        self.margin, self.samples, self.revisit = margin, samples, revisit
+        self.margin, self.samples, self.revisit, self.first_revisit = margin, samples, revisit, first_revisit
         self._arms: dict[int, _Arm] = {}
 
     @staticmethod
@@ -164,7 +166,7 @@ class ForwardsChooser:
         in_use = arm.chunk if self.chunked(batch_size) else arm.single
         if in_use.n >= self.samples and (self._measured(arm) or self._prior(self.bucket(batch_size)) is not None):
             arm.steps += 1
-            if arm.steps >= self.revisit:
+            if arm.steps >= (self.revisit if self._measured(arm) else self.first_revisit):
                 arm.steps = 0
                 arm.revisit = self.samples
 

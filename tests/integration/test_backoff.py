@@ -160,7 +160,7 @@ def _drive(c, batch_size, single_ms, chunk_ms, steps):
 def test_a_bucket_starts_from_the_choice_a_decided_bucket_made():
     """GPU-bound (an 8B model): batch 1 measured that chunks cost as much per forward, so batches of 9-16 start from
     one forward and try chunks only at their first revisit, instead of exploring them first."""
-    c = ForwardsChooser(4, 48, samples=3, revisit=20)
+    c = ForwardsChooser(4, 48, samples=3, revisit=20, first_revisit=20)
     _drive(c, 1, 6.3, 6.3, 10)
     assert not c.chunked(1)
     seen = _drive(c, 16, 6.8, 6.8, 30)
@@ -168,11 +168,18 @@ def test_a_bucket_starts_from_the_choice_a_decided_bucket_made():
     assert not c.chunked(12) and c.summary()["9-16"]["chunked_n"] == 3
     # host-bound (a 135M model): batch 1 found chunks pay, so batches of 9-16 start chunked and measure single
     # forwards at their first revisit; then they decide on their own samples
-    c = ForwardsChooser(4, 48, samples=3, revisit=20)
+    c = ForwardsChooser(4, 48, samples=3, revisit=20, first_revisit=20)
     _drive(c, 1, 2.0, 0.5, 10)
     seen = _drive(c, 16, 2.3, 0.6, 30)
     assert seen[:23] == [4] * 23 and seen[23:26] == [1, 1, 1] and seen[26:] == [4] * 4
     assert c.summary()["9-16"]["single_n"] == 3 and c.chunked(16)
+    # where the choice does not hold (chunks pay at batch 1, not at 16) it holds only until the first revisit,
+    # `first_revisit` plain steps, sooner than later ones
+    c = ForwardsChooser(4, 48, samples=3, revisit=100, first_revisit=10)
+    _drive(c, 1, 2.0, 0.5, 10)
+    seen = _drive(c, 16, 6.5, 6.4, 40)
+    assert seen[:13] == [4] * 13 and seen[13:16] == [1, 1, 1] and seen[16:] == [1] * 24
+    assert not c.chunked(16)
 
 
 def test_a_draining_batch_explores_chunks_in_its_first_bucket_only():
