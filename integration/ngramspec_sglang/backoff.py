@@ -86,11 +86,10 @@ class ForwardsChooser:
     exploring chunks costs a large model's batch a chance to draft at every step of them, and a batch draining from
     16 requests to 1 passes through five buckets; where the other bucket's choice does not hold for this one (chunks
     that pay at batch 1 need not at 16) it holds only that long. Every ``revisit`` plain steps the arm not in use
-    runs ``samples`` steps again, so a change of load is followed. Each arm's estimate is the
-    median of its last ``samples`` samples: a lone slow step (a stall of the host) would move a mean by more than
-    the margin, and it weighs ``limit`` times more on a single forward than on a chunk, where its period is shared.
-    Decisions depend on the step counts and on the samples the planner shares from TP rank 0, so every rank chooses
-    the same.
+    runs ``samples`` steps again, so a change of load is followed. Each arm's estimate is the median of its last
+    ``samples`` samples: a lone slow step (a stall of the host) would move a mean by more than the margin, and it
+    weighs ``limit`` times more on a single forward than on a chunk, where its period is shared. Decisions depend on
+    the step counts and on the samples the planner shares from TP rank 0, so every rank chooses the same.
     """
 
     def __init__(self, limit: int, max_batch: int, *, margin: float = 0.1, samples: int = 6, revisit: int = 512,
