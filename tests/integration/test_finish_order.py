@@ -76,6 +76,7 @@ def hooked(monkeypatch):
     monkeypatch.setattr(finish_order, "applies", lambda: True)
 
 
+@pytest.mark.sglang_server
 def test_sglang_alone_keeps_the_later_stop_string():
     """The case the hook is for, on SGLang as it is: the step "; ret" stops after "ret", keeping the ";"."""
     out, reason = run(make_req(stop=["ret", ";"]), ids("ab; reta"), [2, 6])
@@ -84,11 +85,13 @@ def test_sglang_alone_keeps_the_later_stop_string():
     assert Tok().decode(out) == "ab;" and reason == ("FINISH_MATCHED_STR", ";")
 
 
+@pytest.mark.sglang_server
 def test_the_first_stop_string_ends_the_request(hooked):
     out, reason = run(make_req(stop=["ret", ";"]), ids("ab; reta"), [2, 6])
     assert Tok().decode(out) == "ab;" and reason == ("FINISH_MATCHED_STR", ";")
 
 
+@pytest.mark.sglang_server
 def test_an_eos_before_a_stop_string_ends_the_request(hooked):
     tokens = ids("ab") + [EOS] + ids("c;d")
     out, reason = run(make_req(stop=[";"]), tokens, [1, 5])
@@ -97,6 +100,7 @@ def test_an_eos_before_a_stop_string_ends_the_request(hooked):
     assert out == ids("ab") + [EOS] + ids("c;") and reason == ("FINISH_MATCHED_STR", ";")
 
 
+@pytest.mark.sglang_server
 def test_other_algorithms_keep_sglangs_answer(monkeypatch):
     from sglang.srt.managers.schedule_batch import Req
 
@@ -112,6 +116,7 @@ STOPS = st.lists(st.sampled_from([";", ".", "ab", "ba", "a b", "zz", " "]), max_
 REGEXES = st.lists(st.sampled_from([r"b\.", r"[xy]{2}", r"a;$"]), max_size=2, unique=True)
 
 
+@pytest.mark.sglang_server
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # it patches
 @given(text=st.text(alphabet="ab;. xyz", min_size=1, max_size=24), eos_at=st.none() | st.integers(0, 23),
        stops=STOPS, regexes=REGEXES, stop_token=st.none() | st.sampled_from(ids("xy")),
