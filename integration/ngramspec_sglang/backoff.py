@@ -162,8 +162,8 @@ class ForwardsChooser:
         if arm.revisit > 0:
             arm.revisit -= 1
             return
-        in_use = arm.chunk if self.chunked(batch_size) else arm.single
-        if in_use.n >= self.samples and (self._measured(arm) or self._prior(self.bucket(batch_size)) is not None):
+        # the arm in use has its samples (while a bucket explores with nothing decided, the arm in use lacks them)
+        if (arm.chunk if self.chunked(batch_size) else arm.single).n >= self.samples:
             arm.steps += 1
             if arm.steps >= (self.revisit if self._measured(arm) else self.first_revisit):
                 arm.steps = 0
