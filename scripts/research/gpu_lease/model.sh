@@ -1,0 +1,11 @@
+# sourced: the kit's environment (.kitdev, from make_kitdev.sh) and SmolLM2 as a float16 HF folder in /root/m/smollm2,
+# built once per warm machine from /root/m/part00 (carried .carry/p1 in an earlier call) and .carry/p2/part01
+source .kitdev/device/env.sh > /tmp/env.txt 2>&1 || { cat /tmp/env.txt; exit 4; }
+export PYTHONPATH=$PYTHONPATH:/root/site
+if [ ! -f /root/m/smollm2/config.json ]; then
+  cat /root/m/part00 .carry/p2/part01 > /root/m/model.gguf || exit 5
+  python3 .kitdev/device/gguf_to_hf.py /root/m/model.gguf /root/m/smollm2 --dtype float16 > /tmp/conv.txt 2>&1 \
+    || { tail -20 /tmp/conv.txt; exit 6; }
+fi
+echo "model ready $(date +%T)"
+cleanup() { pkill -9 -f sglang_engine_bench 2>/dev/null; pkill -9 -f sglang 2>/dev/null; true; }
