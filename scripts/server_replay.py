@@ -26,7 +26,9 @@ scheduler), `prompt_ids` and `warm_prompt_ids`.
    the concurrency (c16), under that profile: `none` (the baseline) and the method of each config present
    (`adaptive` -> ngramspec-adaptive, `ngram` -> sglang-ngram:d=12, `ngram8` -> sglang-ngram:d=8). One method
    object serves all runs of a config, so its n-gram cache and controller state carry over from set to set as
-   the server's did (--no-carry: each run from a cold method).
+   the server's did (--no-carry: each run from a cold method); where the server flushed its caches before a
+   concurrency level, the replay empties the n-gram caches there and the controller keeps what it learned, as
+   the plugin does at a flush.
 3. A table per run: measured speedup over plain (config tok/s / plain tok/s, same run), the simulator's
    speedup (plain time / method time under the profile), and predicted / measured; plus accept lengths and
    mean widths, and a check of the profile against plain decoding's own wall clock.
@@ -61,6 +63,17 @@ SWEEP_CONFIG = "adaptive_sweep"
 # configs that verify one fixed width every step (SGLang's NGRAM pads its tree to its draft-token count): their c1
 # runs' scheduler periods are measured step costs at batch 1 and that width
 FIXED_WIDTH_CONFIGS = {"ngram": 12, "ngram8": 8}
+
+
+def after_flush(method, spec: str):
+    """The method as the server has it after a cache flush: a new one (empty n-gram caches), whose controller, if it
+    has one, starts from what the old one learned (step costs, acceptance calibration), as the plugin's
+    `clear_cache_pool` does."""
+    fresh = make_method(spec)
+    old_ctl, new_ctl = getattr(method, "ctl", None), getattr(fresh, "ctl", None)
+    if old_ctl is not None and new_ctl is not None and hasattr(old_ctl, "state_dict"):
+        new_ctl.load_state_dict(old_ctl.state_dict())
+    return fresh
 
 
 # ------------------------------------------------------------------------------------------------- input
@@ -355,8 +368,10 @@ def replay_runs(bench: dict, profile, configs: dict[str, str], carry: bool = Tru
             if run is None:
                 continue
             _, conc = parse_run(key)
-            if (not carry and key != order[0]) or (conc != last_conc and conc in flushed):
-                method = make_method(spec)  # a cold method, or the server flushed its caches before this level
+            if not carry and key != order[0]:
+                method = make_method(spec)  # a cold method
+            elif conc != last_conc and conc in flushed:
+                method = after_flush(method, spec)
             last_conc = conc
             trace, _ = traces[key]
             rep = replay(trace, method, conc, profile)
@@ -485,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         flushed = sorted({c for r in bench.values() if isinstance(r, dict) for c in r.get("flushed_before") or ()})
         if flushed:
             notes.append("the server flushed its caches before concurrency level(s) "
-                         f"{', '.join(map(str, flushed))}: the replay starts those levels from a cold method too")
+                         f"{', '.join(map(str, flushed))}: the replay starts those levels with empty n-gram caches "
+                         "too, the controller keeping what it learned (as the plugin's flush does)")
         elif again:
             notes.append(f"set(s) {', '.join(again)} ran at more than one concurrency with the same prompts: with the "
                          "state carried over, a later run's cache already holds the earlier run's outputs (as the "

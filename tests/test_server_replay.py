@@ -230,3 +230,30 @@ def test_an_unmeasured_width_lies_between_the_widths_measured_at_its_batch(sr):
     assert rows[(4, 16)]["graph_ms"] == 13.0 and "bounded" in rows[(4, 16)]["filled"]  # the ratio: 12.4
     costs = [rows[(4, w)]["graph_ms"] for w in sorted(w for b, w in rows if b == 4)]
     assert costs == sorted(costs)  # never cheaper for a wider verify at one batch
+
+
+def test_a_flush_empties_the_caches_and_keeps_what_the_controller_learned(sr):
+    """At a cache flush the plugin builds a new planner (empty n-gram caches) whose controller starts from the old
+    one's learned state; the replay does the same where the server flushed before a concurrency level."""
+    from ngramspec.sim.methods import make_method
+    from ngramspec.sim.simulate import replay
+    from ngramspec.sim.traces import make_trace
+
+    phrase = list(range(100, 112))
+    trace = make_trace("t", [{"prompt": [1, 2] + phrase * 3, "output": phrase * 6} for _ in range(3)])
+    method = make_method("ngramspec-adaptive")
+    replay(trace, method, 1, get_profile("h200-llama8b"))
+    learned = method.ctl.state_dict()
+    assert method.cache.count(phrase[:4], source="shared") > 0  # the finished outputs are in the shared cache
+    after = sr.after_flush(method, "ngramspec-adaptive")
+    assert after is not method and after.cache.count(phrase[:4], source="shared") == 0
+    kept, cold = after.ctl.state_dict(), make_method("ngramspec-adaptive").ctl.state_dict()
+
+    def same(a, b):
+        return np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+
+    assert kept.keys() == learned.keys()
+    assert all(same(kept[k], learned[k]) for k in learned)
+    assert not all(same(cold[k], learned[k]) for k in learned)  # it learned something: the check has teeth
+    # a method without a controller (SGLang's NGRAM, prompt lookup) just starts again
+    assert sr.after_flush(make_method("prompt-lookup"), "prompt-lookup").name == "prompt-lookup"
