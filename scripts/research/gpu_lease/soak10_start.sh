@@ -6,5 +6,9 @@ source scripts/research/gpu_lease/model.sh
 (setsid timeout -k 5 ${TS:-860} python3 scripts/sglang_soak.py --model /root/m/smollm2 --load-from-ready \
   --minutes 10 --mem-fraction 0.35 --max-total-tokens 300000 --algorithm NGRAM_ADAPTIVE --port 30100 \
   --segment-grace 90 --out /tmp/soak10 > /tmp/soak10.txt 2>&1 &)
+# BUILD8B=1: build the 8B-cost model (bench_8b.sh's) while the soak runs: CPU and disk work, not timed
+[ "${BUILD8B:-0}" = 1 ] && [ ! -f /root/m/smollm2-dense8b/model.safetensors ] && \
+  { python3 scripts/pad_model.py dense /root/m/smollm2 /root/m/smollm2-dense8b > /tmp/build8b.txt 2>&1; \
+    echo "8B build rc $? $(date +%T)"; tail -3 /tmp/build8b.txt; }
 s=0; while [ $s -lt ${WAIT_S:-555} ] && pgrep -f "[s]glang_soak.py" > /dev/null; do sleep 5; s=$((s + 5)); done
 echo "waited $s s $(date +%T)"; tail -c 3000 /tmp/soak10.txt
