@@ -12,4 +12,10 @@ if [ ! -f /root/m/smollm2/config.json ]; then
     || { tail -20 /tmp/conv.txt; exit 6; }
 fi
 echo "model ready $(date +%T)"
-cleanup() { pkill -9 -f sglang_engine_bench 2>/dev/null; pkill -9 -f sglang 2>/dev/null; true; }
+# kills what the bench left (every process whose command line holds "sglang") but this shell and its ancestors: a
+# call whose own command names an sglang script (e.g. sglang_gpu_runs.sh) would otherwise kill itself, rc -1
+cleanup() {
+  local keep=" $$ " p=$$
+  while [ "$p" -gt 1 ]; do p=$(ps -o ppid= -p "$p" | tr -d ' '); [ -n "$p" ] || break; keep="$keep$p "; done
+  for p in $(pgrep -f sglang); do case "$keep" in *" $p "*) ;; *) kill -9 "$p" 2>/dev/null;; esac; done; true
+}
