@@ -39,12 +39,15 @@ class WorkerStartup:
         long = dict(dtype=torch.int64, device=self.device)
         # accept lengths of plain steps: row k-1 holds k for every request (never written to downstream)
         self._plain_lens = torch.arange(1, w + 1, dtype=torch.int32, device=self.device)[:, None].repeat(1, bs)
-        self.draft_tokens = torch.empty(bs * w, **long)
-        self.positions = torch.empty(bs * w, **long)
-        self.retrieve_indexes = torch.empty(bs * w, **long)
-        self.retrieve_next_token = torch.empty(bs * w, **long)
-        self.retrieve_next_sibling = torch.empty(bs * w, **long)
-        self.tree_mask = torch.empty(bs * w * w, dtype=torch.bool, device=self.device)
+        # zeros, not empty: `preplan` hands rows of these to a CUDA graph runner before the drafts are written, and a
+        # dropped preplan leaves them in the graph's input ids, whose padded rows SGLang never resets but still embeds
+        # (a later replay at a smaller batch size): every row a graph may read must hold a valid token id
+        self.draft_tokens = torch.zeros(bs * w, **long)
+        self.positions = torch.zeros(bs * w, **long)
+        self.retrieve_indexes = torch.zeros(bs * w, **long)
+        self.retrieve_next_token = torch.zeros(bs * w, **long)
+        self.retrieve_next_sibling = torch.zeros(bs * w, **long)
+        self.tree_mask = torch.zeros(bs * w * w, dtype=torch.bool, device=self.device)
         self._plain_ok = not _is_cpu and not hasattr(self.req_to_token_pool, "mamba_pool")
         self._history = None
         if self.config.device_drafts and not _is_cpu:  # device drafts: a token row per request slot

@@ -202,3 +202,21 @@ def test_the_split_kv_verify_hook_is_where_split_kv_verify_plugs_in():
         if isinstance(n, ast.FunctionDef) and n.name == "__init__"))
     for field in ("self.tp_q_head_num", "self.tp_k_head_num", "self.qk_head_dim", "self.v_head_dim"):
         assert field in init
+
+
+def test_buffers_a_prepared_verify_hands_to_a_graph_are_initialised():
+    """`preplan` loads a width's CUDA graph with rows of the draft-token and position buffers before the drafts are
+    written; a dropped preplan leaves them in the graph's input ids, whose padded rows SGLang keeps (FOREACH_COPY)
+    and still embeds at a later replay of a smaller batch. Rows the worker never wrote must therefore hold a valid id:
+    allocated with zeros, not `torch.empty`, whose leftovers can be ids far outside the vocabulary (a device-side
+    assert in the embedding)."""
+    tree = ast.parse((PLUGIN / "worker_startup.py").read_text())
+    init = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_init_preallocated_tensors")
+    allocs = {}
+    for node in ast.walk(init):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute)
+                and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute)):
+            allocs[node.targets[0].attr] = node.value.func.attr
+    for name in ("draft_tokens", "positions", "retrieve_indexes", "retrieve_next_token", "retrieve_next_sibling",
+                 "tree_mask"):
+        assert allocs.get(name) == "zeros", f"self.{name} is allocated with torch.{allocs.get(name)}, not zeros"
