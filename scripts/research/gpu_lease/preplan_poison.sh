@@ -1,31 +1,35 @@
 # Does a dropped `preplan` hand unwritten draft-token rows to a CUDA graph? SmolLM2 itself, c16 sets (batches that
 # shrink through padded graph sizes). A: the draft-token buffer filled with an out-of-vocabulary id at start-up (what
-# torch.empty may return), preplan on; A0: the same poison, preplan off (control); then the fixed code (zeros):
-# plain, the defaults and preplan, c1 and c16.
+# torch.empty may return), preplan on; then the fixed code (zeros): plain, preplan and the defaults, c1 and c16;
+# last, if the call's time allows, A0: the same fill with preplan off (the control).
 source scripts/research/gpu_lease/model.sh
 F=$W/proj/ngramspec_sglang/worker_startup.py
 B="python3 scripts/sglang_engine_bench.py --model /root/m/smollm2 --dtype float16 --prompts-per-set 16 --max-new-tokens 256 --sched-profile"
-cp "$F" /tmp/ws.bak
-sed -i 's/self.draft_tokens = torch.zeros(bs \* w, \*\*long)/self.draft_tokens = torch.full((bs * w,), 2**40, **long)/' "$F"
-echo "poisoned lines: $(grep -c '2\*\*40' "$F")"
-timeout -k 5 ${TA:-230} $B --out $OUT/poison.json --logs /tmp/logs_poison --concurrency 16 --repeats 3 \
-  --configs adaptive_pp,adaptive_nopp --timeout ${CTA:-110} > /tmp/pa.txt 2>&1
-echo "A rc $? $(date +%T)"; cleanup
-grep -h -m3 -i "assert\|AcceleratorError\|input id" /tmp/pa.txt; tail -c 1500 /tmp/pa.txt
-python3 scripts/sglang_engine_bench.py --out $OUT/poison.json --summary 2>&1 | tail -25
-cp /tmp/ws.bak "$F"; echo "restored: $(grep -c '2\*\*40' "$F")"
-timeout -k 5 ${TB:-320} $B --out $OUT/smollm2_pp.json --logs /tmp/logs_pp --concurrency 1 16 --repeats 3 \
-  --configs ${CONFIGS:-plain,adaptive_pp,adaptive} --timeout ${CTB:-130} > /tmp/pb.txt 2>&1
-echo "B rc $? $(date +%T)"; cleanup
-tail -c 1500 /tmp/pb.txt
-python3 scripts/sglang_engine_bench.py --out $OUT/smollm2_pp.json --summary 2>&1 | tail -60
-for f in poison smollm2_pp; do python3 - "$OUT/$f.json" <<'PY'
+poison() { cp /tmp/ws.bak "$F"; sed -i 's/self.draft_tokens = torch.zeros(bs \* w, \*\*long)/self.draft_tokens = torch.full((bs * w,), 2**40, **long)/' "$F"; echo "poisoned lines: $(grep -c '2\*\*40' "$F")"; }
+summary() { python3 scripts/sglang_engine_bench.py --out "$1" --summary 2>&1 | tail -${2:-30}; python3 - "$1" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 for name, r in d.get("results", {}).items():
     s = json.dumps(r)
     i = s.find("preplan")
-    print(name, "error:", str(r.get("error"))[:300] if isinstance(r, dict) else None, "| preplan counts:", s[i:i+160] if i >= 0 else "-")
+    print(name, "| error:", str(r.get("error"))[:300] if isinstance(r, dict) else None, "| preplan:", s[i:i+200] if i >= 0 else "-")
 PY
-done
-gzip -f $OUT/poison.json $OUT/smollm2_pp.json; true
+}
+cp "$F" /tmp/ws.bak; poison
+timeout -k 5 ${TA:-125} $B --out $OUT/poison.json --logs /tmp/logs_poison --concurrency 16 --repeats 3 \
+  --configs adaptive_pp --timeout ${CTA:-115} > /tmp/pa.txt 2>&1
+echo "A rc $? $(date +%T)"; cleanup
+grep -h -m5 -i "assert\|AcceleratorError\|input id" /tmp/pa.txt /tmp/logs_poison/*.log 2>/dev/null | cut -c1-300
+summary $OUT/poison.json 20
+cp /tmp/ws.bak "$F"; echo "restored: $(grep -c '2\*\*40' "$F")"
+timeout -k 5 ${TB:-320} $B --out $OUT/smollm2_pp.json --logs /tmp/logs_pp --concurrency 1 16 --repeats 3 \
+  --configs ${CONFIGS:-plain,adaptive_pp,adaptive} --timeout ${CTB:-130} > /tmp/pb.txt 2>&1
+echo "B rc $? $(date +%T)"; cleanup
+summary $OUT/smollm2_pp.json 60
+poison
+timeout -k 5 ${TA0:-115} $B --out $OUT/poison_off.json --logs /tmp/logs_poison0 --concurrency 16 --repeats 3 \
+  --configs adaptive_nopp --timeout ${TA0:-115} > /tmp/pa0.txt 2>&1
+echo "A0 rc $? $(date +%T)"; cleanup; cp /tmp/ws.bak "$F"
+grep -h -m5 -i "assert\|AcceleratorError\|input id" /tmp/pa0.txt /tmp/logs_poison0/*.log 2>/dev/null | cut -c1-300
+summary $OUT/poison_off.json 20
+gzip -f $OUT/*.json; true
