@@ -22,7 +22,7 @@ echo "A rc $? $(date +%T)"; cleanup
 grep -h -m5 -i "assert\|AcceleratorError\|input id" /tmp/pa.txt /tmp/logs_poison/*.log 2>/dev/null | cut -c1-300
 summary $OUT/poison.json 20
 cp /tmp/ws.bak "$F"; echo "restored: $(grep -c '2\*\*40' "$F")"
-timeout -k 5 ${TB:-320} $B --out $OUT/smollm2_pp.json --logs /tmp/logs_pp --concurrency 1 16 --repeats 3 \
+timeout -k 5 ${TB:-320} $B --out $OUT/smollm2_pp.json --logs /tmp/logs_pp --concurrency ${B_CONC:-1 16} --repeats 3 \
   --configs ${CONFIGS:-plain,adaptive_pp,adaptive} --timeout ${CTB:-130} > /tmp/pb.txt 2>&1
 echo "B rc $? $(date +%T)"; cleanup
 summary $OUT/smollm2_pp.json 60
