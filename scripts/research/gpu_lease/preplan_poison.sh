@@ -16,7 +16,8 @@ for name, r in d.get("results", {}).items():
 PY
 }
 cp "$F" /tmp/ws.bak; poison
-timeout -k 5 ${TA:-125} $B --out $OUT/poison.json --logs /tmp/logs_poison --concurrency 16 --repeats 3 \
+# SGLang's async bounds check on the embedding's ids names the failing kernel ("VocabParallelEmbedding input id")
+SGLANG_ENABLE_ASYNC_ASSERT=1 timeout -k 5 ${TA:-125} $B --out $OUT/poison.json --logs /tmp/logs_poison --concurrency 16 --repeats 3 \
   --configs adaptive_pp --timeout ${CTA:-115} > /tmp/pa.txt 2>&1
 echo "A rc $? $(date +%T)"; cleanup
 grep -h -m5 -i "assert\|AcceleratorError\|input id" /tmp/pa.txt /tmp/logs_poison/*.log 2>/dev/null | cut -c1-300
@@ -27,7 +28,7 @@ timeout -k 5 ${TB:-320} $B --out $OUT/smollm2_pp.json --logs /tmp/logs_pp --conc
 echo "B rc $? $(date +%T)"; cleanup
 summary $OUT/smollm2_pp.json 60
 poison
-timeout -k 5 ${TA0:-115} $B --out $OUT/poison_off.json --logs /tmp/logs_poison0 --concurrency 16 --repeats 3 \
+SGLANG_ENABLE_ASYNC_ASSERT=1 timeout -k 5 ${TA0:-115} $B --out $OUT/poison_off.json --logs /tmp/logs_poison0 --concurrency 16 --repeats 3 \
   --configs adaptive_nopp --timeout ${TA0:-115} > /tmp/pa0.txt 2>&1
 echo "A0 rc $? $(date +%T)"; cleanup; cp /tmp/ws.bak "$F"
 grep -h -m5 -i "assert\|AcceleratorError\|input id" /tmp/pa0.txt /tmp/logs_poison0/*.log 2>/dev/null | cut -c1-300
