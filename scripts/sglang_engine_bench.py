@@ -155,7 +155,7 @@ CONFIGS = {
     "adaptive_dhm": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"drain": "hmean"}}),
     "adaptive_dmin": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"controller": {"drain": "min"}}),
     # a step that waits for the previous step's tokens prepares its verify (batch, metadata, graph inputs) first
-    # (faster in greedy runs; off by default since a server with it failed the sampling check)
+    # (the default now; adaptive_nopp builds the whole verify after the wait)
     "adaptive_pp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": True}),
     "adaptive_nopp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": False}),
     "adaptive_pp_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": True,

@@ -78,7 +78,8 @@ CONFIGS = {
     # would decode plainly at these temperatures
     "adaptive_w8": {"speculative_algorithm": "NGRAM_ADAPTIVE",
                     "adaptive_file": {"fixed_width": 8, "draft_max_batch": None}},
-    # the verify prepared before the wait (`preplan`, off by default): a server with it failed this check
+    # the verify prepared before the wait (`preplan`, the default now; one server with it once failed this
+    # check before the worker's step buffers were zeroed)
     "adaptive_pp": {"speculative_algorithm": "NGRAM_ADAPTIVE",
                     "adaptive_file": {"draft_max_batch": None, "preplan": True}},
 }

