@@ -160,6 +160,10 @@ CONFIGS = {
     "adaptive_nopp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": False}),
     "adaptive_pp_pf1": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"preplan": True,
                                                                                     "plain_forwards": 1}),
+    # planning while plans draft nothing: skip steps after idle plans always (the default before "auto", which
+    # skips only where a plan costs more than 5% of a plain step), or never
+    "adaptive_bo": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plan_backoff": True}),
+    "adaptive_nobo": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"plan_backoff": False}),
     # token recycling as a third draft source (the verifier's own top-k after every scored position)
     "adaptive_rc": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"recycle": True}),
     "adaptive_rc_pp": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"recycle": True, "preplan": True}),

@@ -5,8 +5,10 @@ Planning (syncing the cache with the committed tokens, proposing drafts, weighin
 decode step, and on a small model whose decode step is itself mostly host time that shows. After ``n`` plans in a
 row that drafted nothing, the next ``min(n, max_skipped)`` steps run plain without planning; the first plan that
 drafts resets the count. The cache loses nothing (the next plan feeds it every token committed meanwhile); a copy
-that starts is noticed at most ``max_skipped`` steps late. Decisions depend on plan widths only, which are identical
-on every TP rank, so all ranks skip the same steps.
+that starts is noticed at most ``max_skipped`` steps late. On a large model a plan costs a few percent of a decode
+step, hidden behind the GPU, and noticing a copy late costs more than the plans saved: the worker then plans every
+step (``planned(width, skip=False)``; the ``plan_backoff`` option). Decisions depend on plan widths and on timings
+shared from TP rank 0, which are identical on every TP rank, so all ranks skip the same steps.
 """
 from __future__ import annotations
 
@@ -29,10 +31,10 @@ class PlanBackoff:
             return True
         return False
 
-    def planned(self, width: int) -> None:
-        """A plan chose ``width`` for this step."""
+    def planned(self, width: int, skip: bool = True) -> None:
+        """A plan chose ``width`` for this step; ``skip=False``: plan the next step too, whatever the width."""
         self.idle_plans = 0 if width > 1 else self.idle_plans + 1
-        self.to_skip = min(self.idle_plans, self.max_skipped)
+        self.to_skip = min(self.idle_plans, self.max_skipped) if skip else 0
 
     def reset(self) -> None:
         self.idle_plans = self.to_skip = 0

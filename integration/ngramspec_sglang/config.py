@@ -24,6 +24,7 @@ DEFAULT_DRAFT_MAX_BATCH = 48  # larger decode batches run plainly, under plain d
 DEFAULT_TP_SYNC_INTERVAL = 8
 DEFAULT_STATE_SAVE_MINUTES = 10.0
 DEFAULT_PLAIN_FORWARDS = 4
+DEFAULT_PLAN_SHARE = 0.05  # plan_backoff "auto": skip plans only where one costs more than this share of a plain step
 DEFAULT_PLAIN_FORWARDS_MAX_BATCH = 48  # "auto" measures per batch-size bucket up to here
 DEFAULT_PINNED_CACHE_MB = 64
 
@@ -56,6 +57,10 @@ ADAPTIVE_CONFIG_KEYS = {
     "plain_forwards_max_batch": "the largest decode batch (requests) whose plain steps run plain_forwards forwards; "
                                 "larger batches run one per step. Default "
                                 f"{DEFAULT_PLAIN_FORWARDS_MAX_BATCH}",
+    "plan_backoff": "\"auto\" (default): while plans draft nothing, skip planning on the next steps (after n such "
+                    "plans in a row, min(n, 3) steps) only where a plan's host time, measured, is more than "
+                    f"{DEFAULT_PLAN_SHARE:.0%} of a plain decode step's period (a small model); else plan every step, "
+                    "so that a copy that starts is drafted at once; true: always skip so; false: never",
     "prefetch": "true: a step that must wait for the previous step's tokens first runs the drafting code on what "
                 "the host already holds (changing nothing), so that its real drafting after the wait finds the "
                 "CPU caches warm; pays only where that wait is long. Default false",
@@ -110,6 +115,7 @@ class AdaptiveConfig:
     charge_waits_to_drafts: bool = True
     plain_forwards: int | str | None = None  # None / "auto": up to DEFAULT_PLAIN_FORWARDS where measured to pay
     plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
+    plan_backoff: bool | str = "auto"
     prefetch: bool = False
     preplan: bool = True
     recycle: bool = False
@@ -142,6 +148,8 @@ class AdaptiveConfig:
             raise ValueError(f"tp_sync_interval must be an int >= 1, got {self.tp_sync_interval!r}")
         if not isinstance(self.charge_waits_to_drafts, bool):
             raise ValueError(f"charge_waits_to_drafts must be true or false, got {self.charge_waits_to_drafts!r}")
+        if not isinstance(self.plan_backoff, bool) and self.plan_backoff != "auto":
+            raise ValueError(f"plan_backoff must be true, false or \"auto\", got {self.plan_backoff!r}")
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"prefetch must be true or false, got {self.prefetch!r}")
         if not isinstance(self.preplan, bool):
@@ -270,6 +278,7 @@ def resolve_config(args: Any) -> AdaptiveConfig:
         charge_waits_to_drafts=data.get("charge_waits_to_drafts", AdaptiveConfig.charge_waits_to_drafts),
         plain_forwards=data.get("plain_forwards"),
         plain_forwards_max_batch=data.get("plain_forwards_max_batch", DEFAULT_PLAIN_FORWARDS_MAX_BATCH),
+        plan_backoff=data.get("plan_backoff", AdaptiveConfig.plan_backoff),
         prefetch=data.get("prefetch", AdaptiveConfig.prefetch),
         preplan=data.get("preplan", AdaptiveConfig.preplan),
         recycle=data.get("recycle", AdaptiveConfig.recycle),

@@ -82,6 +82,13 @@ class PlainSample(NamedTuple):
     seconds: float
 
 
+class PlanSample(NamedTuple):
+    """The host time of a plan on a step that had not waited for the previous step's tokens, as measured on TP
+    rank 0 (`DraftPlanner.plans_are_cheap`)."""
+
+    seconds: float
+
+
 class WidthCycleController(FixedWidthController):
     """Verify at each of ``widths`` in turn, one step each, sending the draft nodes that fit: a sweep of the step
     cost by width in a live server (``width_cycle``). Identical on every TP rank (it counts plans)."""
@@ -241,6 +248,7 @@ class DraftPlanner:
         self.fitted = False  # the last plan was laid out at a prepared width (`plan`'s fit_width), not its own
         self._wait_ms: dict[int, float] = {}  # batch size -> what a plain step after a drafting step costs extra
         self._wait_any: float | None = None  # the same over every batch size
+        self._plan_ms: float | None = None  # what a plan costs the host (moving average of `record_plan`'s samples)
         self._root_layouts: dict[int, tuple] = {}  # batch size -> `_root_rows`
         self._widths = frozenset(config.widths)
         # multi-step plain decoding where measured to pay (plain_forwards "auto"), else None
@@ -267,6 +275,9 @@ class DraftPlanner:
                 if type(s) is PlainSample:
                     if self.forwards is not None:
                         self.forwards.observe(s.batch_size, s.forwards, s.seconds)
+                elif type(s) is PlanSample:
+                    ms = s.seconds * 1000.0
+                    self._plan_ms = ms if self._plan_ms is None else self._plan_ms + 0.1 * (ms - self._plan_ms)
                 elif s.after_draft:
                     self._note_wait(s.batch_size, s.seconds * 1000.0)
                 else:
@@ -395,6 +406,21 @@ class DraftPlanner:
         shared at the next sync step, for `forwards_limit`)."""
         if self.forwards is not None and self.is_timing_rank:
             self._local_durations.append(PlainSample(int(batch_size), int(forwards), float(seconds)))
+
+    def record_plan(self, seconds: float) -> None:
+        """The host time of a plan made before the previous step's tokens were waited for (kept on the timing rank,
+        shared at the next sync step, for `plans_are_cheap`)."""
+        if self.is_timing_rank:
+            self._local_durations.append(PlanSample(float(seconds)))
+
+    def plans_are_cheap(self, batch_size: int, share: float) -> bool:
+        """Whether a plan costs at most ``share`` of a plain step of ``batch_size`` requests, both measured (False
+        until both are). Where it does, skipping plans saves little and may miss a draft that pays. The same on
+        every TP rank (both measurements are rank 0's, shared)."""
+        ctl = self.controller
+        if self._plan_ms is None or not isinstance(ctl, AdaptiveController) or not ctl.costs.measured(batch_size, 1):
+            return False
+        return self._plan_ms <= share * ctl.costs.estimate(batch_size, 1)
 
     def forwards_limit(self, batch_size: int) -> int:
         """The decode forwards a plain step of ``batch_size`` requests may run (`backoff.plain_forwards` caps it):

@@ -47,7 +47,7 @@ from sglang.srt.speculative.spec_utils import record_stream_for_v2_verify
 from sglang.srt.utils import is_cpu
 
 from .backoff import PlanBackoff, plain_forwards
-from .config import resolve_config
+from .config import DEFAULT_PLAN_SHARE, resolve_config
 from .diagnostics import DraftLog, HostProfile, MemTrace, stacks_on_sigusr1
 from .drafting import DraftPlanner
 from .host_seq_lens import set_cpu_seq_lens_need
@@ -375,6 +375,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last,
                                  fit_width=pre.width if pre is not None else None)
         t_planned = time.perf_counter()
+        planned_early = lagging  # planned before waiting for the previous step's tokens: what skipping one saves
         if lagging and plan.width == 1:
             roots = self._last_tokens(batch, rids)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
@@ -419,7 +420,11 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._drafted_last = plan.width > 1
         if plan.width > 1:
             self._last_width = plan.width
-        self._backoff.planned(plan.width)
+        if planned_early:
+            self.planner.record_plan(t_planned - t_pre)
+        backoff = self.config.plan_backoff
+        self._backoff.planned(plan.width, skip=backoff is True or (
+            backoff == "auto" and not self.planner.plans_are_cheap(bs, DEFAULT_PLAN_SHARE)))
         self._step_launched(plan.width, bs, forwards, waited > 0)
         if self._profile is not None:
             self._profile.add_device(plan.width, bs, (m0, *self._fwd_marks, self._dmark()))

@@ -31,6 +31,16 @@ def test_no_backoff_and_bad_arguments():
             PlanBackoff(bad)
 
 
+def test_planning_every_step_when_told_not_to_skip():
+    b = PlanBackoff()
+    for _ in range(5):
+        b.planned(1, skip=False)
+        assert not b.skip_planning()
+    assert b.idle_plans == 5
+    b.planned(1)  # the idle run still counts: skipping resumes at its length, capped
+    assert [b.skip_planning() for _ in range(4)] == [True, True, True, False]
+
+
 def test_reset_forgets_the_idle_run():
     b = PlanBackoff()
     for _ in range(5):

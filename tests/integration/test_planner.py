@@ -554,3 +554,39 @@ def test_the_stats_say_which_source_drafted_the_accepted_tokens(s_tokens, recycl
     plain.plan([RequestView("r", [3, 9, 4, 3], [])])
     plain.plan([RequestView("r", [3, 9, 4, 3], [9, 4, 5])])
     assert (plain.stats.realized_accepted, plain.stats.accepted_recycled, plain.stats.drafted_recycled) == (2, 0, 0)
+
+
+def test_plans_are_cheap_only_when_both_costs_are_measured_and_the_same_on_every_rank():
+    """`plans_are_cheap` (the worker plans every step where it holds) compares rank 0's plan time, shared, with the
+    measured plain step: False until both are measured, then by the share; a rank whose own plans are slow agrees."""
+    mailbox = {}
+    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=1, capacity=1 << 16)
+
+    def broadcast(rank):
+        def fn(obj):
+            if rank == 0:
+                mailbox["v"] = obj
+            return mailbox["v"]
+        return fn
+
+    ranks = [DraftPlanner(cfg, is_timing_rank=r == 0, broadcast=broadcast(r)) for r in range(2)]
+    views = [RequestView("x", [3, 1, 4, 1, 5], [])]
+    for p in ranks:
+        p.plan(views)
+    assert not any(p.plans_are_cheap(1, 0.05) for p in ranks)  # nothing measured
+    for r, p in enumerate(ranks):
+        p.record_plan(0.0002 if r == 0 else 0.01)  # rank 1's own clock says slow: ignored, rank 0's is shared
+        p.plan(views)
+    assert not any(p.plans_are_cheap(1, 0.05) for p in ranks)  # the plain step is not measured yet
+    for _ in range(3):
+        for p in ranks:
+            p.record_duration(1, 1, 0.006)
+            p.plan(views)
+    assert all(p.plans_are_cheap(1, 0.05) for p in ranks)  # 0.2 ms against 5% of 6 ms
+    assert not any(p.plans_are_cheap(1, 0.02) for p in ranks)
+    for _ in range(60):  # plans slow down to 1 ms: the average follows
+        for p in ranks:
+            p.record_plan(0.001)
+            p.plan(views)
+    assert not any(p.plans_are_cheap(1, 0.05) for p in ranks)
+    assert ranks[0]._plan_ms == ranks[1]._plan_ms
