@@ -59,7 +59,8 @@ PY
     ;;
   smollm2)
     $BENCH --model "$2" --dtype float16 --out "$OUT/smollm2.json" --logs "$OUT/logs_smollm2" --prompts-per-set 16 \
-      --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive,adaptive_cw}" --timeout 400 --sched-profile
+      --max-new-tokens 256 --concurrency 1 16 --configs "${3:-plain,ngram,adaptive,adaptive_cw}" --timeout 400 --sched-profile \
+      ${BENCH_ARGS:-}
     ;;
   dense8b|moe|moe64)
     if [ "$1" = moe64 ]; then
