@@ -70,6 +70,9 @@ SAMPLED = ("sampled", "sampled_preplan", "sampled_join_preplan", "sampled_abort_
 GRAPH_MAX_TOKENS = {"sampled_nograph_preplan": 12}  # verifies of three requests wider than 4 run without a graph
 JOIN_AT["sampled_join_preplan"] = 12
 ABORT_AT["sampled_abort_preplan"] = 9
+# planning while plans draft nothing: never skipped, or skipped after idle plans whatever they cost
+CONFIGS.update({"backoff_never": {"widths": [1, 2, 4, 8, 16], "plan_backoff": False},
+                "backoff_always": {"widths": [1, 2, 4, 8, 16], "plan_backoff": True}})
 # every configuration but "defaults" says whether it prepares verifies before the wait ("defaults": the worker's own)
 for _name, _config in CONFIGS.items():
     if _name != "defaults":
@@ -273,3 +276,16 @@ def test_a_verify_without_a_graph_runs_unprepared_after_a_preparation_was_given_
     the wait is given up and the verify runs unprepared, sampled verification included."""
     r = results["sampled_nograph_preplan"]
     assert r["preplan"].get("unavailable", 0) > 0 and r["verifies"] > r["prepared_verifies"] > 0
+
+
+def test_plan_backoff_decides_which_steps_plan_and_outputs_stay_exact(results):
+    """`plan_backoff` false plans every decode step (a step that waits plans twice); true skips steps after plans
+    that drafted nothing; "auto" (the defaults) skips as true does until a plain step is measured, which this
+    scenario's clock never does. Every plan made before the wait is timed and shared (`plan_ms`)."""
+    never, always, auto = results["backoff_never"], results["backoff_always"], results["defaults"]
+    for r in (never, always, auto):
+        assert r["outputs_equal_truth"]
+        assert r["plan_ms"] is not None and r["plan_ms"] > 0
+    assert never["plans"] >= never["steps"]
+    assert always["plans"] < always["steps"]  # the scripted text has stretches where nothing is drafted
+    assert auto["plans"] < auto["steps"]
