@@ -404,12 +404,10 @@ def test_the_plugin_uses_the_cores_fixed_width_controller():
     assert type(ctl) is CoreFixedWidth and ctl.width == 4
 
 
-def test_tensor_parallel_ranks_charge_the_same_waits():
-    """Waits after drafting steps (`record_wait`) are shared like durations: ranks whose own clocks disagree
-    still charge the same switch cost and make identical decisions; bad waits are rejected like durations."""
+def tp_planners(cfg, n=2):
+    """``n`` planners as on ``n`` TP ranks: rank 0 times steps and its broadcast reaches every rank (each rank's
+    planner calls it in turn within a step, rank 0 first)."""
     mailbox = {}
-    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2, capacity=1 << 16,
-                         charge_waits_to_drafts=True)
 
     def broadcast(rank):
         def fn(obj):
@@ -418,7 +416,14 @@ def test_tensor_parallel_ranks_charge_the_same_waits():
             return mailbox["v"]
         return fn
 
-    ranks = [DraftPlanner(cfg, is_timing_rank=r == 0, broadcast=broadcast(r)) for r in range(2)]
+    return [DraftPlanner(cfg, is_timing_rank=r == 0, broadcast=broadcast(r)) for r in range(n)]
+
+
+def test_tensor_parallel_ranks_charge_the_same_waits():
+    """Waits after drafting steps (`record_wait`) are shared like durations: ranks whose own clocks disagree
+    still charge the same switch cost and make identical decisions; bad waits are rejected like durations."""
+    ranks = tp_planners(AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=2, capacity=1 << 16,
+                                       charge_waits_to_drafts=True))
     waits = [0.05, 0.001]  # rank 0 sees long waits after drafting steps, rank 1 none
     text = [3, 1, 4, 1, 5, 9, 2, 6] * 3
     outs = {"x": [], "y": []}
@@ -559,17 +564,7 @@ def test_the_stats_say_which_source_drafted_the_accepted_tokens(s_tokens, recycl
 def test_plans_are_cheap_only_when_both_costs_are_measured_and_the_same_on_every_rank():
     """`plans_are_cheap` (the worker plans every step where it holds) compares rank 0's plan time, shared, with the
     measured plain step: False until both are measured, then by the share; a rank whose own plans are slow agrees."""
-    mailbox = {}
-    cfg = AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=1, capacity=1 << 16)
-
-    def broadcast(rank):
-        def fn(obj):
-            if rank == 0:
-                mailbox["v"] = obj
-            return mailbox["v"]
-        return fn
-
-    ranks = [DraftPlanner(cfg, is_timing_rank=r == 0, broadcast=broadcast(r)) for r in range(2)]
+    ranks = tp_planners(AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=1, capacity=1 << 16))
     views = [RequestView("x", [3, 1, 4, 1, 5], [])]
     for p in ranks:
         p.plan(views)
