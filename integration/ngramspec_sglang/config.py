@@ -24,6 +24,7 @@ DEFAULT_DRAFT_MAX_BATCH = 48  # larger decode batches run plainly, under plain d
 DEFAULT_TP_SYNC_INTERVAL = 8
 DEFAULT_STATE_SAVE_MINUTES = 10.0
 DEFAULT_PLAIN_FORWARDS = 4
+DEFAULT_PREPLAN_SHARE = 0.25  # preplan "auto": on where preparing a verify costs at most this share of a plain step
 DEFAULT_PLAN_SHARE = 0.05  # plan_backoff "auto": skip plans only where one costs more than this share of a plain step
 DEFAULT_PLAIN_FORWARDS_MAX_BATCH = 48  # "auto" measures per batch-size bucket up to here
 DEFAULT_PINNED_CACHE_MB = 64
@@ -64,12 +65,14 @@ ADAPTIVE_CONFIG_KEYS = {
     "prefetch": "true: a step that must wait for the previous step's tokens first runs the drafting code on what "
                 "the host already holds (changing nothing), so that its real drafting after the wait finds the "
                 "CPU caches warm; pays only where that wait is long. Default false",
-    "preplan": "true (default): a step that must wait for the previous step's tokens prepares its verify forward "
-               "before the wait (batch, attention metadata and CUDA graph inputs at the width of the last drafting "
-               "step), so that only drafting and the token copy stand between the previous step's end and the "
-               "next forward; a plan at another width is fitted to the prepared one (drafts cut, or the width "
-               "grown up to 2x) or, further off, runs unprepared. Pays where the GPU step is long enough to hide "
-               "that host work (large models). false: the whole verify is built after the wait",
+    "preplan": "\"auto\" (default): as true where preparing a verify, measured, costs the host at most "
+               f"{DEFAULT_PREPLAN_SHARE:.0%} of a plain decode step's period (large models), else as false. true: a "
+               "step that must wait for the previous step's tokens prepares its verify forward before the wait "
+               "(batch, attention metadata and CUDA graph inputs at the width of the last drafting step), so that "
+               "only drafting and the token copy stand between the previous step's end and the next forward; a plan "
+               "at another width is fitted to the prepared one (drafts cut, or the width grown up to 2x) or, further "
+               "off, runs unprepared. Pays where the GPU step is long enough to hide that host work. false: the "
+               "whole verify is built after the wait",
     "recycle": "true: token recycling as a third draft source (experimental, default false): a table of each "
                "token's latest top-k successors from the verifier's own scores of every verified and decoded "
                "position, drafting where the n-gram cache matches fewer than recycle_min_match tokens (and, with "
@@ -117,7 +120,7 @@ class AdaptiveConfig:
     plain_forwards_max_batch: int = DEFAULT_PLAIN_FORWARDS_MAX_BATCH
     plan_backoff: bool | str = "auto"
     prefetch: bool = False
-    preplan: bool = True
+    preplan: bool | str = "auto"
     recycle: bool = False
     recycle_topk: int = 8
     recycle_branching: tuple[int, ...] = (4, 1, 1, 1)
@@ -152,8 +155,8 @@ class AdaptiveConfig:
             raise ValueError(f"plan_backoff must be true, false or \"auto\", got {self.plan_backoff!r}")
         if not isinstance(self.prefetch, bool):
             raise ValueError(f"prefetch must be true or false, got {self.prefetch!r}")
-        if not isinstance(self.preplan, bool):
-            raise ValueError(f"preplan must be true or false, got {self.preplan!r}")
+        if not isinstance(self.preplan, bool) and self.preplan != "auto":
+            raise ValueError(f"preplan must be true, false or \"auto\", got {self.preplan!r}")
         for name in ("recycle", "recycle_widen"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

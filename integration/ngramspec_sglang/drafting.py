@@ -89,6 +89,17 @@ class PlanSample(NamedTuple):
     seconds: float
 
 
+class PreplanSample(NamedTuple):
+    """The host time of preparing a verify before the wait (`preplan`), as measured on TP rank 0
+    (`DraftPlanner.preplan_pays`)."""
+
+    seconds: float
+
+
+def _ewma(mean: float | None, x: float, weight: float = 0.1) -> float:
+    return x if mean is None else mean + weight * (x - mean)
+
+
 class WidthCycleController(FixedWidthController):
     """Verify at each of ``widths`` in turn, one step each, sending the draft nodes that fit: a sweep of the step
     cost by width in a live server (``width_cycle``). Identical on every TP rank (it counts plans)."""
@@ -249,6 +260,7 @@ class DraftPlanner:
         self._wait_ms: dict[int, float] = {}  # batch size -> what a plain step after a drafting step costs extra
         self._wait_any: float | None = None  # the same over every batch size
         self._plan_ms: float | None = None  # what a plan costs the host (moving average of `record_plan`'s samples)
+        self._preplan_ms: float | None = None  # the same for preparing a verify before the wait (`record_preplan`)
         self._root_layouts: dict[int, tuple] = {}  # batch size -> `_root_rows`
         self._widths = frozenset(config.widths)
         # multi-step plain decoding where measured to pay (plain_forwards "auto"), else None
@@ -276,8 +288,9 @@ class DraftPlanner:
                     if self.forwards is not None:
                         self.forwards.observe(s.batch_size, s.forwards, s.seconds)
                 elif type(s) is PlanSample:
-                    ms = s.seconds * 1000.0
-                    self._plan_ms = ms if self._plan_ms is None else self._plan_ms + 0.1 * (ms - self._plan_ms)
+                    self._plan_ms = _ewma(self._plan_ms, s.seconds * 1000.0)
+                elif type(s) is PreplanSample:
+                    self._preplan_ms = _ewma(self._preplan_ms, s.seconds * 1000.0)
                 elif s.after_draft:
                     self._note_wait(s.batch_size, s.seconds * 1000.0)
                 else:
@@ -412,6 +425,22 @@ class DraftPlanner:
         shared at the next sync step, for `plans_are_cheap`)."""
         if self.is_timing_rank:
             self._local_durations.append(PlanSample(float(seconds)))
+
+    def record_preplan(self, seconds: float) -> None:
+        """The host time of a verify prepared before the wait (kept on the timing rank, shared at the next sync
+        step, for `preplan_pays`)."""
+        if self.is_timing_rank:
+            self._local_durations.append(PreplanSample(float(seconds)))
+
+    def preplan_pays(self, batch_size: int, share: float) -> bool:
+        """Whether preparing a verify before the wait costs at most ``share`` of a plain step of ``batch_size``
+        requests (True until both are measured, so that it is measured). Where the GPU step is short (a small
+        model), the host work it moves before the wait outlasts the wait and delays the next forward. The same on
+        every TP rank (both measurements are rank 0's, shared)."""
+        ctl = self.controller
+        if self._preplan_ms is None or not isinstance(ctl, AdaptiveController) or not ctl.costs.measured(batch_size, 1):
+            return True
+        return self._preplan_ms <= share * ctl.costs.estimate(batch_size, 1)
 
     def plans_are_cheap(self, batch_size: int, share: float) -> bool:
         """Whether a plan costs at most ``share`` of a plain step of ``batch_size`` requests, both measured (False

@@ -585,3 +585,30 @@ def test_plans_are_cheap_only_when_both_costs_are_measured_and_the_same_on_every
             p.plan(views)
     assert not any(p.plans_are_cheap(1, 0.05) for p in ranks)
     assert ranks[0]._plan_ms == ranks[1]._plan_ms
+
+
+def test_preplan_pays_until_measured_dear_and_the_same_on_every_rank():
+    """`preplan_pays` ("auto" `preplan`): True until rank 0's preplan time and the plain step are both measured (so
+    that it is measured), then whether that time is within the share of the plain step; ranks agree whatever their
+    own clocks say."""
+    ranks = tp_planners(AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=1, capacity=1 << 16))
+    views = [RequestView("x", [3, 1, 4, 1, 5], [])]
+    for p in ranks:
+        p.plan(views)
+    assert all(p.preplan_pays(1, 0.25) for p in ranks)  # nothing measured: prepare, and so measure
+    for r, p in enumerate(ranks):
+        p.record_preplan(0.0009 if r == 0 else 0.00001)  # rank 1's own clock says cheap: ignored
+        p.plan(views)
+    assert all(p.preplan_pays(1, 0.25) for p in ranks)  # the plain step is not measured yet
+    for _ in range(3):
+        for p in ranks:
+            p.record_duration(1, 1, 0.0017)  # a small model's plain step: 0.9 ms is over a quarter of it
+            p.plan(views)
+    assert not any(p.preplan_pays(1, 0.25) for p in ranks)
+    assert all(p.preplan_pays(1, 0.6) for p in ranks)
+    for _ in range(3):
+        for p in ranks:
+            p.record_duration(4, 1, 0.0063)  # a larger batch's (or model's) step hides it
+            p.plan([RequestView(f"y{i}", [3, 1, 4, 1, 5], []) for i in range(4)])
+    assert all(p.preplan_pays(4, 0.25) for p in ranks)
+    assert ranks[0]._preplan_ms == ranks[1]._preplan_ms

@@ -157,7 +157,7 @@ def test_the_server_knob_is_read_and_validated(tmp_path):
     assert config_from({}).prefetch is False and config_from({"prefetch": True}).prefetch is True
     with pytest.raises(ValueError, match="prefetch"):
         config_from({"prefetch": 1})
-    assert config_from({}).preplan is True and config_from({"preplan": False}).preplan is False
+    assert config_from({}).preplan == "auto" and config_from({"preplan": False}).preplan is False
     with pytest.raises(ValueError, match="preplan"):
         config_from({"preplan": "on"})
 

@@ -73,6 +73,9 @@ ABORT_AT["sampled_abort_preplan"] = 9
 # planning while plans draft nothing: never skipped, or skipped after idle plans whatever they cost
 CONFIGS.update({"backoff_never": {"widths": [1, 2, 4, 8, 16], "plan_backoff": False},
                 "backoff_always": {"widths": [1, 2, 4, 8, 16], "plan_backoff": True}})
+# `preplan` "auto" where it is measured not to pay: the worker prepares nothing before the wait
+CONFIGS.update({"preplan_auto_dear": {"widths": [1, 2, 4, 8, 16], "preplan": "auto"}})
+PREPLAN_PAYS = {"preplan_auto_dear": False}
 # every configuration but "defaults" says whether it prepares verifies before the wait ("defaults": the worker's own)
 for _name, _config in CONFIGS.items():
     if _name != "defaults":
@@ -91,6 +94,7 @@ def results():
     runs = [[c, {"abort_at": ABORT_AT.get(name), "join_at": JOIN_AT.get(name),
                  "logprob_every": LOGPROB_EVERY.get(name, 0), "sync_from": SYNC_FROM.get(name),
                  "sampled": name in SAMPLED, "graph_max_tokens": GRAPH_MAX_TOKENS.get(name),
+                 "preplan_pays": PREPLAN_PAYS.get(name),
                  **({"fail": FAIL[name][0], "fail_at": FAIL[name][1]} if name in FAIL else {})}]
             for name, c in CONFIGS.items()]
     return dict(zip(CONFIGS, _run(runs)))
@@ -117,7 +121,8 @@ def test_every_output_equals_the_models_greedy_tokens(results, name):
     assert r["histories_ok"]  # the drafting cache saw each request's tokens once, in order, every step
     assert r["verifies"] > 0  # copy-heavy requests: the worker drafted
     assert r["profile_steps"] == r["steps"]  # NGRAMSPEC_PROFILE saw every decode step
-    assert (r["preplan_s"] > 0) == CONFIGS[name].get("preplan", AdaptiveConfig.preplan)
+    preplan = CONFIGS[name].get("preplan", AdaptiveConfig.preplan)
+    assert (r["preplan_s"] > 0) == (preplan is True or (preplan == "auto" and PREPLAN_PAYS.get(name, True)))
 
 
 def test_plain_steps_of_several_requests_run_several_forwards_and_stay_exact(results):
@@ -276,6 +281,20 @@ def test_a_verify_without_a_graph_runs_unprepared_after_a_preparation_was_given_
     the wait is given up and the verify runs unprepared, sampled verification included."""
     r = results["sampled_nograph_preplan"]
     assert r["preplan"].get("unavailable", 0) > 0 and r["verifies"] > r["prepared_verifies"] > 0
+
+
+def test_preplan_auto_prepares_where_it_pays_and_times_what_it_prepares(results):
+    """`preplan` "auto" (the defaults): this scenario's clock never measures a plain step, so preparing pays (as
+    until measured) and prepared verifies are timed for the planner (`record_preplan`, shared at a sync); where the
+    planner finds it does not pay, the worker prepares nothing before the wait. Outputs stay exact either way; false
+    times nothing."""
+    auto, dear, off = results["defaults"], results["preplan_auto_dear"], results["fixed16"]
+    for r in (auto, dear, off):
+        assert r["outputs_equal_truth"] and r["verifies"] > 0
+    assert auto["preplan_s"] > 0 and auto["preplans_timed"] > 0
+    assert auto["preplan"].get("used", 0) + auto["preplan"].get("fitted", 0) > 0
+    assert dear["preplan_s"] == 0 and not dear["preplan"] and dear["preplans_timed"] == 0
+    assert off["preplans_timed"] == 0
 
 
 def test_plan_backoff_decides_which_steps_plan_and_outputs_stay_exact(results):

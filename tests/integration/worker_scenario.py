@@ -376,7 +376,7 @@ def patched(worker_mod, forward_mod, world):
 def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0, abort_at: int | None = None,
         join_at: int | None = None, fail: str | None = None, fail_at: int = 0, logprob_every: int = 0,
         forget_relay_at: int | None = None, sync_from: int | None = None, sampled: bool = False,
-        graph_max_tokens: int | None = None):
+        graph_max_tokens: int | None = None, preplan_pays: bool | None = None):
     """One run; ``abort_at``: at that step the second request leaves the batch unfinished (a client abort);
     ``join_at``: before that step one more request is prefilled and joins the running batch (continuous batching:
     the prefill's token is the only one the relay holds for the next decode step); ``fail`` ("load" or "replay")
@@ -388,7 +388,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     builds the batch, then processes the previous step's result, then runs the step, so a request that this result
     finished (its output cut at its last token, its KV past it) is still in the batch; ``sampled``: every verify
     runs SGLang's sampled tree verification (`Scripted.sampled_verify`); ``graph_max_tokens``: the CUDA graph runners
-    take no verify of more tokens (a verify prepared before the wait is then given up, and the step runs unprepared)."""
+    take no verify of more tokens (a verify prepared before the wait is then given up, and the step runs unprepared);
+    ``preplan_pays``: what the planner answers `preplan` "auto" (default: its own measurement)."""
     worker_mod, forward_mod = import_worker()
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -416,6 +417,8 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
         world.sampled = torch.Generator().manual_seed(seed)
     world.graph_max_tokens = graph_max_tokens
     worker = build_worker(worker_mod, forward_mod, world, config, Path(tmp.name) / "profile.json")
+    if preplan_pays is not None:
+        worker.planner.preplan_pays = lambda batch_size, share: preplan_pays
     reqs = [SimpleNamespace(rid=r, origin_input_ids_unpadded=p, origin_input_ids=p, output_ids=[truth[r][0]],
                             sampling_params=SimpleNamespace(max_new_tokens=len(truth[r])))
             for r, p in prompts.items()]
@@ -538,7 +541,11 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
            "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
            "preplan_failed": worker._preplan_failed, "lens_reports": worker._lens_reports,
            "planned_sizes": sorted(set(planned_sizes)), "plans": len(planned_sizes),
-           "plan_ms": worker.planner._plan_ms, "device_steps": len(device_steps),
+           "plan_ms": worker.planner._plan_ms, "preplan_ms": worker.planner._preplan_ms,
+           # prepared verifies timed on this (the timing) rank: shared at the next sync, or still waiting for it
+           "preplans_timed": sum(type(s).__name__ == "PreplanSample" for s in worker.planner._local_durations)
+           + (worker.planner._preplan_ms is not None),
+           "device_steps": len(device_steps),
            "chunked_sizes": sorted(chunked_sizes),
            "recycled_requests": worker.planner.recycled_requests,
            "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
