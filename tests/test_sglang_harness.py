@@ -120,9 +120,15 @@ def run_stub_server(port: int, out: str) -> None:
                 with lock:
                     state["aborted"].add(body.get("rid"))
                 self.reply(200, "")
-            elif path == "/flush_cache":
-                with lock:
-                    busy = state["inflight"] > 0
+            elif path == "/flush_cache":  # as SGLang's: with ?timeout=S, waits up to S seconds for idle
+                query = dict(q.split("=", 1) for q in self.path.partition("?")[2].split("&") if "=" in q)
+                deadline = time.monotonic() + float(query.get("timeout", 0))
+                while True:
+                    with lock:
+                        busy = state["inflight"] > 0
+                    if not busy or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.01)
                 self.reply(400 if busy else 200, "busy" if busy else "Cache flushed.", "text/plain")
             elif path == "/generate":
                 self.generate(body)

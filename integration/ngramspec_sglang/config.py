@@ -24,7 +24,7 @@ DEFAULT_DRAFT_MAX_BATCH = 48  # larger decode batches run plainly, under plain d
 DEFAULT_TP_SYNC_INTERVAL = 8
 DEFAULT_STATE_SAVE_MINUTES = 10.0
 DEFAULT_PLAIN_FORWARDS = 4
-DEFAULT_PREPLAN_SHARE = 0.25  # preplan "auto": on where preparing a verify costs at most this share of a plain step
+DEFAULT_PREPLAN_SLACK_MS = 0.2  # preplan "auto": on where the wait it fills outlasts preparing a verify by this
 DEFAULT_PLAN_SHARE = 0.05  # plan_backoff "auto": skip plans only where one costs more than this share of a plain step
 DEFAULT_PLAIN_FORWARDS_MAX_BATCH = 48  # "auto" measures per batch-size bucket up to here
 DEFAULT_PINNED_CACHE_MB = 64
@@ -65,8 +65,9 @@ ADAPTIVE_CONFIG_KEYS = {
     "prefetch": "true: a step that must wait for the previous step's tokens first runs the drafting code on what "
                 "the host already holds (changing nothing), so that its real drafting after the wait finds the "
                 "CPU caches warm; pays only where that wait is long. Default false",
-    "preplan": "\"auto\" (default): as true where preparing a verify, measured, costs the host at most "
-               f"{DEFAULT_PREPLAN_SHARE:.0%} of a plain decode step's period (large models), else as false. true: a "
+    "preplan": "\"auto\" (default): as true where the wait for the previous step's tokens, measured, outlasts "
+               f"preparing a verify, measured, by {DEFAULT_PREPLAN_SLACK_MS} ms or more (a long GPU step: large "
+               "models), else as false. true: a "
                "step that must wait for the previous step's tokens prepares its verify forward before the wait "
                "(batch, attention metadata and CUDA graph inputs at the width of the last drafting step), so that "
                "only drafting and the token copy stand between the previous step's end and the next forward; a plan "

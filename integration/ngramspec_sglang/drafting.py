@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
@@ -90,14 +91,12 @@ class PlanSample(NamedTuple):
 
 
 class PreplanSample(NamedTuple):
-    """The host time of preparing a verify before the wait (`preplan`), as measured on TP rank 0
-    (`DraftPlanner.preplan_pays`)."""
+    """A step that waited for the previous step's tokens, as measured on TP rank 0 (`DraftPlanner.preplan_pays`):
+    the wait as it would have been without preparing a verify first (the preparation's time plus what was left of
+    the wait after it, else the wait itself), and the preparation's time (None: none prepared)."""
 
-    seconds: float
-
-
-def _ewma(mean: float | None, x: float, weight: float = 0.1) -> float:
-    return x if mean is None else mean + weight * (x - mean)
+    wait: float
+    preplan: float | None
 
 
 class WidthCycleController(FixedWidthController):
@@ -260,7 +259,9 @@ class DraftPlanner:
         self._wait_ms: dict[int, float] = {}  # batch size -> what a plain step after a drafting step costs extra
         self._wait_any: float | None = None  # the same over every batch size
         self._plan_ms: float | None = None  # what a plan costs the host (moving average of `record_plan`'s samples)
-        self._preplan_ms: float | None = None  # the same for preparing a verify before the wait (`record_preplan`)
+        # `preplan` "auto": recent waits for the previous step's tokens and recent preparations (ms, rank 0's)
+        self._preplan_waits: deque = deque(maxlen=15)
+        self._preplan_costs: deque = deque(maxlen=15)
         self._root_layouts: dict[int, tuple] = {}  # batch size -> `_root_rows`
         self._widths = frozenset(config.widths)
         # multi-step plain decoding where measured to pay (plain_forwards "auto"), else None
@@ -288,9 +289,12 @@ class DraftPlanner:
                     if self.forwards is not None:
                         self.forwards.observe(s.batch_size, s.forwards, s.seconds)
                 elif type(s) is PlanSample:
-                    self._plan_ms = _ewma(self._plan_ms, s.seconds * 1000.0)
+                    ms = s.seconds * 1000.0
+                    self._plan_ms = ms if self._plan_ms is None else self._plan_ms + 0.1 * (ms - self._plan_ms)
                 elif type(s) is PreplanSample:
-                    self._preplan_ms = _ewma(self._preplan_ms, s.seconds * 1000.0)
+                    self._preplan_waits.append(s.wait * 1000.0)
+                    if s.preplan is not None:
+                        self._preplan_costs.append(s.preplan * 1000.0)
                 elif s.after_draft:
                     self._note_wait(s.batch_size, s.seconds * 1000.0)
                 else:
@@ -426,21 +430,22 @@ class DraftPlanner:
         if self.is_timing_rank:
             self._local_durations.append(PlanSample(float(seconds)))
 
-    def record_preplan(self, seconds: float) -> None:
-        """The host time of a verify prepared before the wait (kept on the timing rank, shared at the next sync
-        step, for `preplan_pays`)."""
+    def record_preplan(self, wait: float, preplan: float | None) -> None:
+        """A step that waited for the previous step's tokens: ``wait`` seconds as without a verify prepared first,
+        ``preplan`` seconds preparing one (None: none prepared). Kept on the timing rank, shared at the next sync
+        step, for `preplan_pays`."""
         if self.is_timing_rank:
-            self._local_durations.append(PreplanSample(float(seconds)))
+            self._local_durations.append(PreplanSample(float(wait), None if preplan is None else float(preplan)))
 
-    def preplan_pays(self, batch_size: int, share: float) -> bool:
-        """Whether preparing a verify before the wait costs at most ``share`` of a plain step of ``batch_size``
-        requests (True until both are measured, so that it is measured). Where the GPU step is short (a small
-        model), the host work it moves before the wait outlasts the wait and delays the next forward. The same on
-        every TP rank (both measurements are rank 0's, shared)."""
-        ctl = self.controller
-        if self._preplan_ms is None or not isinstance(ctl, AdaptiveController) or not ctl.costs.measured(batch_size, 1):
+    def preplan_pays(self, slack_ms: float) -> bool:
+        """Whether preparing a verify before the wait fits in the wait: the recent waits' median exceeds the recent
+        preparations' median by at least ``slack_ms`` (True until both are measured, so that they are). Where the
+        GPU step is short (a small model), the preparation outlasts the wait and delays the next forward. Medians,
+        so that a first slow preparation (a kernel's first load) does not decide. The same on every TP rank (rank
+        0's measurements, shared)."""
+        if not self._preplan_waits or not self._preplan_costs:
             return True
-        return self._preplan_ms <= share * ctl.costs.estimate(batch_size, 1)
+        return float(np.median(self._preplan_waits)) >= float(np.median(self._preplan_costs)) + slack_ms
 
     def plans_are_cheap(self, batch_size: int, share: float) -> bool:
         """Whether a plan costs at most ``share`` of a plain step of ``batch_size`` requests, both measured (False

@@ -47,7 +47,7 @@ from sglang.srt.speculative.spec_utils import record_stream_for_v2_verify
 from sglang.srt.utils import is_cpu
 
 from .backoff import PlanBackoff, plain_forwards
-from .config import DEFAULT_PLAN_SHARE, DEFAULT_PREPLAN_SHARE, resolve_config
+from .config import DEFAULT_PLAN_SHARE, DEFAULT_PREPLAN_SLACK_MS, resolve_config
 from .diagnostics import DraftLog, HostProfile, MemTrace, stacks_on_sigusr1
 from .drafting import DraftPlanner
 from .host_seq_lens import set_cpu_seq_lens_need
@@ -168,21 +168,20 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         config = self.model_runner.model_config
         return int(getattr(config, "vocab_size", 0) or config.hf_config.vocab_size)
 
-    def _preplan_on(self, bs: int) -> bool:
-        """`preplan` at a batch of ``bs`` requests: true, false, or with "auto" where it is measured to be cheap
-        against a plain step (`DraftPlanner.preplan_pays`; the same on every TP rank)."""
+    def _preplan_on(self) -> bool:
+        """`preplan`: true, false, or with "auto" where the wait it fills is measured to outlast it
+        (`DraftPlanner.preplan_pays`; the same on every TP rank)."""
         on = self.config.preplan
-        return on is True or (on == "auto" and self.planner.preplan_pays(bs, DEFAULT_PREPLAN_SHARE))
+        return on is True or (on == "auto" and self.planner.preplan_pays(DEFAULT_PREPLAN_SLACK_MS))
 
     def _maybe_preplan(self, batch: ScheduleBatch, width: int | None):
         """The verify at ``width`` prepared before the wait (`_preplan_verify`; the callers check `_preplan_on`),
-        or None. Its host time goes to the planner (`record_preplan`)."""
+        or None."""
         limit = self.config.draft_max_batch
         if self._preplan_failed or _is_cpu or width is None or width <= 1 or (
                 limit is not None and len(batch.reqs) > limit):  # too large a batch to draft: no verify to prepare
             return None
         try:
-            t = time.perf_counter()
             pre = self._preplan_verify(batch, width)  # the batch as it was if it raises
         except Exception:  # an SGLang the option does not fit: serve on without it, as if it were off
             self._preplan_failed = True
@@ -190,8 +189,6 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             return None
         if pre is None:
             self._count_preplan("unavailable")
-        else:
-            self.planner.record_preplan(time.perf_counter() - t)
         return pre
 
     def _flush_topk(self) -> None:
@@ -370,7 +367,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         t_preplanned = t_pre
         if relayed and not lagging:
             # the views wait for the previous step's tokens: meanwhile prepare the verify, warm the CPU caches
-            if self._preplan_on(bs):
+            if self._preplan_on():
                 pre = self._maybe_preplan(batch, self._last_width)
                 t_preplanned = time.perf_counter()
             if self.config.prefetch:
@@ -378,7 +375,11 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         t_views = time.perf_counter()
         views = request_views(batch, relayed and not lagging, relayed_rids, relay=relay)
         if relayed and not lagging:
+            t_waited = time.perf_counter()
             self._flush_topk()  # every step before this one is done: its scores are on the host at once
+            # the wait as it would have been without the preparation (`preplan` "auto" weighs the two)
+            prepared = t_preplanned - t_pre if pre is not None else None
+            self.planner.record_preplan((prepared or 0.0) + t_waited - t_views, prepared)
         t_planner = time.perf_counter()
         # the scheduler's queue length, set by the run_batch hook (hooks.py); None if the hook did not run
         plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last,
@@ -388,13 +389,15 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         if lagging and plan.width == 1:
             roots = self._last_tokens(batch, rids)
         if lagging and roots is None:  # drafting looks worth it (or no relay): wait for exact tokens, plan again
-            if relayed and self._preplan_on(bs):
+            if relayed and self._preplan_on():
                 t1 = time.perf_counter()
                 pre = self._maybe_preplan(batch, plan.width)
                 preplan_s = time.perf_counter() - t1
             t1 = time.perf_counter()
             views = request_views(batch, True, relayed_rids, relay=relay)
             waited = time.perf_counter() - t1
+            if relayed:
+                self.planner.record_preplan(preplan_s + waited, preplan_s if pre is not None else None)
             self._flush_topk()
             plan = self.planner.plan(views, waiting=self.waiting_requests, after_draft=self._drafted_last,
                                      fit_width=pre.width if pre is not None else None)

@@ -587,28 +587,36 @@ def test_plans_are_cheap_only_when_both_costs_are_measured_and_the_same_on_every
     assert ranks[0]._plan_ms == ranks[1]._plan_ms
 
 
-def test_preplan_pays_until_measured_dear_and_the_same_on_every_rank():
-    """`preplan_pays` ("auto" `preplan`): True until rank 0's preplan time and the plain step are both measured (so
-    that it is measured), then whether that time is within the share of the plain step; ranks agree whatever their
-    own clocks say."""
+def test_preplan_pays_where_the_wait_outlasts_it_and_the_same_on_every_rank():
+    """`preplan_pays` ("auto" `preplan`): True until rank 0's waits and preparations are both measured (so that they
+    are), then whether the waits' median outlasts the preparations' by the slack; medians, so a first slow
+    preparation does not decide; ranks agree whatever their own clocks say."""
     ranks = tp_planners(AdaptiveConfig(widths=(1, 2, 4, 8), max_depth=8, tp_sync_interval=1, capacity=1 << 16))
     views = [RequestView("x", [3, 1, 4, 1, 5], [])]
     for p in ranks:
         p.plan(views)
-    assert all(p.preplan_pays(1, 0.25) for p in ranks)  # nothing measured: prepare, and so measure
-    for r, p in enumerate(ranks):
-        p.record_preplan(0.0009 if r == 0 else 0.00001)  # rank 1's own clock says cheap: ignored
+    assert all(p.preplan_pays(0.2) for p in ranks)  # nothing measured: prepare, and so measure
+    for r, p in enumerate(ranks):  # a small model: a preparation of 0.9 ms covers the whole wait and more
+        p.record_preplan(0.00095, 0.02 if r == 0 else 0.0001)  # a first slow one; rank 1's own clock ignored
         p.plan(views)
-    assert all(p.preplan_pays(1, 0.25) for p in ranks)  # the plain step is not measured yet
-    for _ in range(3):
-        for p in ranks:
-            p.record_duration(1, 1, 0.0017)  # a small model's plain step: 0.9 ms is over a quarter of it
+    for _ in range(4):
+        for r, p in enumerate(ranks):
+            p.record_preplan(0.00095, 0.0009 if r == 0 else 0.0001)
             p.plan(views)
-    assert not any(p.preplan_pays(1, 0.25) for p in ranks)
-    assert all(p.preplan_pays(1, 0.6) for p in ranks)
-    for _ in range(3):
+    assert not any(p.preplan_pays(0.2) for p in ranks)
+    for _ in range(10):  # off: the waits without a preparation stay short
         for p in ranks:
-            p.record_duration(4, 1, 0.0063)  # a larger batch's (or model's) step hides it
-            p.plan([RequestView(f"y{i}", [3, 1, 4, 1, 5], []) for i in range(4)])
-    assert all(p.preplan_pays(4, 0.25) for p in ranks)
-    assert ranks[0]._preplan_ms == ranks[1]._preplan_ms
+            p.record_preplan(0.0001, None)
+            p.plan(views)
+    assert not any(p.preplan_pays(0.2) for p in ranks)
+    for _ in range(12):  # the GPU step grows (a larger batch): the waits outlast a preparation again
+        for p in ranks:
+            p.record_preplan(0.004, None)
+            p.plan(views)
+    assert all(p.preplan_pays(0.2) for p in ranks)
+    for _ in range(15):  # on, a large model: 0.9 ms of preparation, then 3 ms more of waiting
+        for p in ranks:
+            p.record_preplan(0.0039, 0.0009)
+            p.plan(views)
+    assert all(p.preplan_pays(0.2) for p in ranks) and not any(p.preplan_pays(3.5) for p in ranks)
+    assert list(ranks[0]._preplan_waits) == list(ranks[1]._preplan_waits)

@@ -283,14 +283,14 @@ def test_a_verify_without_a_graph_runs_unprepared_after_a_preparation_was_given_
     assert r["preplan"].get("unavailable", 0) > 0 and r["verifies"] > r["prepared_verifies"] > 0
 
 
-def test_preplan_auto_prepares_where_it_pays_and_times_what_it_prepares(results):
-    """`preplan` "auto" (the defaults): this scenario's clock never measures a plain step, so preparing pays (as
-    until measured) and prepared verifies are timed for the planner (`record_preplan`, shared at a sync); where the
-    planner finds it does not pay, the worker prepares nothing before the wait. Outputs stay exact either way; false
-    times nothing."""
+def test_preplan_auto_prepares_where_it_pays_and_times_waits_and_preparations(results):
+    """`preplan` "auto" (the defaults): waits for the previous step's tokens and the verifies prepared before them
+    are timed for the planner (`record_preplan`, shared at a sync); here nothing is measured to say otherwise, so
+    the worker prepares. Where the planner finds it does not pay, the worker prepares nothing before the wait, and
+    still times the waits (so that it may turn back on). Outputs stay exact either way."""
     auto, dear, off = results["defaults"], results["preplan_auto_dear"], results["fixed16"]
     for r in (auto, dear, off):
-        assert r["outputs_equal_truth"] and r["verifies"] > 0
+        assert r["outputs_equal_truth"] and r["verifies"] > 0 and r["waits_timed"] > 0
     assert auto["preplan_s"] > 0 and auto["preplans_timed"] > 0
     assert auto["preplan"].get("used", 0) + auto["preplan"].get("fitted", 0) > 0
     assert dear["preplan_s"] == 0 and not dear["preplan"] and dear["preplans_timed"] == 0

@@ -418,7 +418,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     world.graph_max_tokens = graph_max_tokens
     worker = build_worker(worker_mod, forward_mod, world, config, Path(tmp.name) / "profile.json")
     if preplan_pays is not None:
-        worker.planner.preplan_pays = lambda batch_size, share: preplan_pays
+        worker.planner.preplan_pays = lambda slack_ms: preplan_pays
     reqs = [SimpleNamespace(rid=r, origin_input_ids_unpadded=p, origin_input_ids=p, output_ids=[truth[r][0]],
                             sampling_params=SimpleNamespace(max_new_tokens=len(truth[r])))
             for r, p in prompts.items()]
@@ -529,6 +529,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
     tmp.cleanup()
     outputs_ok = all(r.output_ids == truth[r.rid] for r in reqs if r.rid not in aborted)
     outputs_ok &= all(r.output_ids == truth[r.rid][:len(r.output_ids)] for r in reqs)
+    preplan_samples = [s for s in worker.planner._local_durations if type(s).__name__ == "PreplanSample"]
     res = {"outputs_equal_truth": outputs_ok, "steps": decode_steps, "aborted": sorted(aborted),
            "joined": sorted(joined), "histories_ok": histories_ok,
            "tracked_after": sorted(map(str, worker.planner.tracked_requests)),
@@ -541,10 +542,10 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
            "logprob_batches": sum(1 for k in range(decode_steps) if logprob_every and k % logprob_every == 0),
            "preplan_failed": worker._preplan_failed, "lens_reports": worker._lens_reports,
            "planned_sizes": sorted(set(planned_sizes)), "plans": len(planned_sizes),
-           "plan_ms": worker.planner._plan_ms, "preplan_ms": worker.planner._preplan_ms,
-           # prepared verifies timed on this (the timing) rank: shared at the next sync, or still waiting for it
-           "preplans_timed": sum(type(s).__name__ == "PreplanSample" for s in worker.planner._local_durations)
-           + (worker.planner._preplan_ms is not None),
+           "plan_ms": worker.planner._plan_ms,
+           # waits and prepared verifies timed on this (the timing) rank: shared at a sync, or waiting for the next
+           "waits_timed": len(worker.planner._preplan_waits) + len(preplan_samples),
+           "preplans_timed": len(worker.planner._preplan_costs) + sum(s.preplan is not None for s in preplan_samples),
            "device_steps": len(device_steps),
            "chunked_sizes": sorted(chunked_sizes),
            "recycled_requests": worker.planner.recycled_requests,
