@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
@@ -259,9 +260,11 @@ class DraftPlanner:
         self._wait_ms: dict[int, float] = {}  # batch size -> what a plain step after a drafting step costs extra
         self._wait_any: float | None = None  # the same over every batch size
         self._plan_ms: float | None = None  # what a plan costs the host (moving average of `record_plan`'s samples)
-        # `preplan` "auto": recent waits for the previous step's tokens and recent preparations (ms, rank 0's)
+        # `preplan` "auto": recent waits for the previous step's tokens and recent preparations (ms, rank 0's), and
+        # their medians (updated as samples arrive)
         self._preplan_waits: deque = deque(maxlen=15)
         self._preplan_costs: deque = deque(maxlen=15)
+        self._preplan_medians: tuple[float, float] | None = None
         self._root_layouts: dict[int, tuple] = {}  # batch size -> `_root_rows`
         self._widths = frozenset(config.widths)
         # multi-step plain decoding where measured to pay (plain_forwards "auto"), else None
@@ -284,6 +287,7 @@ class DraftPlanner:
         if self._steps % self.config.tp_sync_interval == 0:
             samples = self.broadcast(self._local_durations if self.is_timing_rank else None) or []
             self._local_durations = []
+            preplans = False  # `preplan` samples among them: its medians change
             for s in samples:
                 if type(s) is PlainSample:
                     if self.forwards is not None:
@@ -292,6 +296,7 @@ class DraftPlanner:
                     ms = s.seconds * 1000.0
                     self._plan_ms = ms if self._plan_ms is None else self._plan_ms + 0.1 * (ms - self._plan_ms)
                 elif type(s) is PreplanSample:
+                    preplans = True
                     self._preplan_waits.append(s.wait * 1000.0)
                     if s.preplan is not None:
                         self._preplan_costs.append(s.preplan * 1000.0)
@@ -299,6 +304,9 @@ class DraftPlanner:
                     self._note_wait(s.batch_size, s.seconds * 1000.0)
                 else:
                     self.controller.observe_step(s.batch_size, s.width, s.seconds * 1000.0)
+            if preplans and self._preplan_waits and self._preplan_costs:
+                self._preplan_medians = (statistics.median(self._preplan_waits),
+                                         statistics.median(self._preplan_costs))
         self._steps += 1
 
         ctl = self.controller
@@ -443,9 +451,10 @@ class DraftPlanner:
         GPU step is short (a small model), the preparation outlasts the wait and delays the next forward. Medians,
         so that a first slow preparation (a kernel's first load) does not decide. The same on every TP rank (rank
         0's measurements, shared)."""
-        if not self._preplan_waits or not self._preplan_costs:
+        if self._preplan_medians is None:
             return True
-        return float(np.median(self._preplan_waits)) >= float(np.median(self._preplan_costs)) + slack_ms
+        wait, cost = self._preplan_medians
+        return wait >= cost + slack_ms
 
     def plans_are_cheap(self, batch_size: int, share: float) -> bool:
         """Whether a plan costs at most ``share`` of a plain step of ``batch_size`` requests, both measured (False
