@@ -67,8 +67,8 @@ ADAPTIVE_CONFIG_KEYS = {
                 "CPU caches warm; pays only where that wait is long. Default false",
     "preplan": "\"auto\" (default): as true where the wait for the previous step's tokens, measured, outlasts "
                f"preparing a verify, measured, by {DEFAULT_PREPLAN_SLACK_MS} ms or more (a long GPU step: large "
-               "models), else as false. true: a "
-               "step that must wait for the previous step's tokens prepares its verify forward before the wait "
+               "models), else as false. true: a step that must wait for the previous step's tokens prepares its "
+               "verify forward before the wait "
                "(batch, attention metadata and CUDA graph inputs at the width of the last drafting step), so that "
                "only drafting and the token copy stand between the previous step's end and the next forward; a plan "
                "at another width is fitted to the prepared one (drafts cut, or the width grown up to 2x) or, further "
