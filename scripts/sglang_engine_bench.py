@@ -327,7 +327,7 @@ def diag_delta(before: dict, after: dict) -> dict:
             "expected_tokens_per_request": (a.get("expected_tokens", 0) - b.get("expected_tokens", 0)) / planned
             if planned else None,
             "durations": durations, "cost_estimates_ms": a.get("cost_estimates_ms", {}),
-            "plain_forwards": a.get("plain_forwards")}
+            "plain_forwards": a.get("plain_forwards"), "preplan_rule": a.get("preplan_rule")}
 
 
 def sched_delta(before: dict, after: dict) -> dict | None:

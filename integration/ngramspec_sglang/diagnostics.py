@@ -48,6 +48,7 @@ class HostProfile:
         self.controller = None
         self.batches: set = set()
         self.forwards_summary = None  # () -> the "auto" plain-forwards choice per batch size, or None
+        self.preplan_summary = None  # () -> `preplan` "auto"'s measured medians and decision, or None
         # verifies prepared before the wait (`preplan`): "used" (at the plan's own width), "fitted" (the plan laid out
         # at the prepared width), "dropped" (the plan ran otherwise), "unavailable" (nothing could be prepared)
         self.preplan: dict[str, int] = {}
@@ -185,6 +186,7 @@ class HostProfile:
                         "durations": self.durations, "cost_estimates_ms": costs,
                         "plain_forwards": self.forwards_summary() if self.forwards_summary is not None else None,
                         "preplan": self.preplan, "sources": self.sources(),
+                        "preplan_rule": self.preplan_summary() if self.preplan_summary is not None else None,
                         # running sums in seconds (readers difference two snapshots)
                         "device": {k: {"steps": r[0], "idle_before_s": r[1], "idle_measured": r[5], "prepare_s": r[2],
                                        "forward_s": r[3], "after_s": r[4]} for k, r in self.device.items()}}

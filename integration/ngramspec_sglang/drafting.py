@@ -456,6 +456,13 @@ class DraftPlanner:
         wait, cost = self._preplan_medians
         return wait >= cost + slack_ms
 
+    def preplan_summary(self, slack_ms: float) -> dict | None:
+        """For the profile: the medians `preplan_pays` compares (ms) and its answer; None until measured."""
+        if self._preplan_medians is None:
+            return None
+        wait, cost = self._preplan_medians
+        return {"wait_ms": round(wait, 4), "preparation_ms": round(cost, 4), "pays": self.preplan_pays(slack_ms)}
+
     def plans_are_cheap(self, batch_size: int, share: float) -> bool:
         """Whether a plan costs at most ``share`` of a plain step of ``batch_size`` requests, both measured (False
         until both are). Where it does, skipping plans saves little and may miss a draft that pays. The same on

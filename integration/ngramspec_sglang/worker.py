@@ -107,9 +107,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         self._decode_state: tuple | None = None  # (attention backend, DECODE-mode graph runner) for width 1
         self._profile = HostProfile.from_env(self._tp_group.rank_in_group)
         if self._profile is not None:
-            self._profile.forwards_summary = lambda: (self.planner.forwards.summary()
-                                                      if self.planner.forwards is not None else None)
-            self._profile.live_stats = lambda: self.planner.stats
+            self._wire_profile(self._profile)
             if not _is_cpu:
                 self._profile.device_marks(torch.get_device_module(self.device))
         self._kprof = KernelProfile.from_env(self._tp_group.rank_in_group,
@@ -167,6 +165,13 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         """Rows of token recycling's table: the model's vocabulary (its logits' width, padding included)."""
         config = self.model_runner.model_config
         return int(getattr(config, "vocab_size", 0) or config.hf_config.vocab_size)
+
+    def _wire_profile(self, profile: HostProfile) -> None:
+        """`NGRAMSPEC_PROFILE`'s views of the planner's live state (read at each dump)."""
+        profile.forwards_summary = lambda: (self.planner.forwards.summary()
+                                            if self.planner.forwards is not None else None)
+        profile.live_stats = lambda: self.planner.stats
+        profile.preplan_summary = lambda: self.planner.preplan_summary(DEFAULT_PREPLAN_SLACK_MS)
 
     def _preplan_on(self) -> bool:
         """`preplan`: true, false, or with "auto" where the wait it fills is measured to outlast it

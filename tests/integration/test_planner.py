@@ -620,3 +620,4 @@ def test_preplan_pays_where_the_wait_outlasts_it_and_the_same_on_every_rank():
             p.plan(views)
     assert all(p.preplan_pays(0.2) for p in ranks) and not any(p.preplan_pays(3.5) for p in ranks)
     assert list(ranks[0]._preplan_waits) == list(ranks[1]._preplan_waits)
+    assert ranks[1].preplan_summary(0.2) == {"wait_ms": 3.9, "preparation_ms": 0.9, "pays": True}

@@ -74,7 +74,9 @@ ABORT_AT["sampled_abort_preplan"] = 9
 CONFIGS.update({"backoff_never": {"widths": [1, 2, 4, 8, 16], "plan_backoff": False},
                 "backoff_always": {"widths": [1, 2, 4, 8, 16], "plan_backoff": True}})
 # `preplan` "auto" where it is measured not to pay: the worker prepares nothing before the wait
-CONFIGS.update({"preplan_auto_dear": {"widths": [1, 2, 4, 8, 16], "preplan": "auto"}})
+CONFIGS.update({"preplan_auto_dear": {"widths": [1, 2, 4, 8, 16], "preplan": "auto"},
+                "preplan_auto_sync1": {"widths": [1, 2, 4, 8, 16], "fixed_width": 16, "preplan": "auto",
+                                       "tp_sync_interval": 1}})
 PREPLAN_PAYS = {"preplan_auto_dear": False}
 # every configuration but "defaults" says whether it prepares verifies before the wait ("defaults": the worker's own)
 for _name, _config in CONFIGS.items():
@@ -295,6 +297,11 @@ def test_preplan_auto_prepares_where_it_pays_and_times_waits_and_preparations(re
     assert auto["preplan"].get("used", 0) + auto["preplan"].get("fitted", 0) > 0
     assert dear["preplan_s"] == 0 and not dear["preplan"] and dear["preplans_timed"] == 0
     assert off["preplans_timed"] == 0
+    # shared at every plan: the profile shows the medians the rule compares and its answer
+    rule = results["preplan_auto_sync1"]["preplan_rule"]
+    assert results["preplan_auto_sync1"]["outputs_equal_truth"]
+    assert set(rule) == {"wait_ms", "preparation_ms", "pays"} and rule["wait_ms"] > 0 and rule["preparation_ms"] > 0
+    assert rule["pays"] == (rule["wait_ms"] >= rule["preparation_ms"] + 0.2)
 
 
 def test_plan_backoff_decides_which_steps_plan_and_outputs_stay_exact(results):

@@ -293,6 +293,7 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
     from ngramspec_sglang.diagnostics import HostProfile
 
     w._profile = HostProfile(str(profile_path))  # the real one: the worker's calls into it run too
+    w._wire_profile(w._profile)
     from ngramspec_sglang.kernel_profile import KernelProfile
 
     # the real window logic and torch's profiler; on CPU there are no kernels, so the host's ops stand in for them
@@ -534,6 +535,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
            "joined": sorted(joined), "histories_ok": histories_ok,
            "tracked_after": sorted(map(str, worker.planner.tracked_requests)),
            "lengths": [len(r.output_ids) for r in reqs], "preplan": profile["_diag"]["preplan"],
+           "preplan_rule": profile["_diag"]["preplan_rule"],
            "profile_steps": sum(v["steps"] for k, v in profile.items() if not k.startswith("_")),
            "preplan_s": sum(v["preplan_s"] for k, v in profile.items() if not k.startswith("_")),
            "loads": world.loads, "prepared_verifies": sum(world.verify_reads), "sampled_steps": world.sampled_steps,
