@@ -154,7 +154,7 @@ def bench_cmd(a, rate: str, out_file: str, dataset: str) -> list[str]:
             "--dataset-path", dataset, "--sharegpt-output-len", str(a.max_new_tokens), "--apply-chat-template",
             "--disable-ignore-eos", "--num-prompts", str(a.num_prompts), "--request-rate", rate,
             "--seed", "0", "--output-file", out_file, "--disable-tqdm", "--warmup-requests", str(a.warmup),
-            "--ready-check-timeout-sec", "30"]
+            "--ready-check-timeout-sec", "30", "--output-details"]
 
 
 def read_result(path: str) -> dict:
@@ -166,7 +166,50 @@ def read_result(path: str) -> dict:
         return {}
     if not lines:
         return {}
-    return {k: lines[-1].get(k) for k in METRICS}
+    r = {k: lines[-1].get(k) for k in METRICS}
+    if isinstance(lines[-1].get("itls"), list) and isinstance(lines[-1].get("ttfts"), list):
+        r["itl_timeline"] = itl_timeline(lines[-1]["ttfts"], lines[-1]["itls"])
+    return r
+
+
+def _pct(xs: list, q: float) -> float:
+    """The q-th percentile (0-100) of a sorted list, linear between ranks (numpy's default)."""
+    if len(xs) == 1:
+        return xs[0]
+    i = (len(xs) - 1) * q / 100.0
+    lo = int(i)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (i - lo)
+
+
+def itl_timeline(ttfts: list, itls: list, parts: int = 10, top: int = 20) -> dict:
+    """Where the gaps between streamed chunks fall, from bench_serving's per-request details (seconds): each gap's
+    time is its chunk's arrival since the request was sent (TTFT plus the gaps before it; at rate inf every request
+    is sent at once, so this is the time since the burst began). ``parts``: the span cut into that many equal
+    slices, each with its count of gaps and their median, p99 and largest (ms); ``top``: the largest gaps, each with
+    its time (s), its request, the chunk's place in that request and the request's number of chunks."""
+    gaps = []  # (arrival s, gap ms, request, chunk index, chunks in the request)
+    for req, (ttft, itl) in enumerate(zip(ttfts, itls)):
+        if not isinstance(ttft, (int, float)) or not isinstance(itl, list):
+            continue
+        t = float(ttft)
+        for j, g in enumerate(itl):
+            t += float(g)
+            gaps.append((t, float(g) * 1000.0, req, j + 1, len(itl) + 1))
+    if not gaps:
+        return {}
+    end = max(x[0] for x in gaps) or 1.0
+    slices = []
+    for k in range(parts):
+        lo, hi = end * k / parts, end * (k + 1) / parts
+        ms = sorted(x[1] for x in gaps if lo <= x[0] < hi or (k == parts - 1 and x[0] == hi))
+        slices.append({"from_s": round(lo, 3), "to_s": round(hi, 3), "gaps": len(ms),
+                       "p50_ms": round(_pct(ms, 50), 2) if ms else None,
+                       "p99_ms": round(_pct(ms, 99), 2) if ms else None,
+                       "max_ms": round(ms[-1], 2) if ms else None})
+    largest = sorted(gaps, key=lambda x: -x[1])[:top]
+    return {"span_s": round(end, 3), "slices": slices,
+            "largest": [{"at_s": round(t, 3), "gap_ms": round(g, 2), "request": r, "chunk": j, "chunks": n}
+                        for t, g, r, j, n in largest]}
 
 
 def run_config(a, config: str, datasets: dict) -> dict:
@@ -258,6 +301,20 @@ def profile_lines(results: dict) -> str:
     return "\n".join(lines)
 
 
+def timeline_lines(results: dict) -> str:
+    """Per configuration and rate: the gaps between streamed chunks, p99 (ms) in each tenth of the span since the
+    requests were sent, and the three largest with their time (s)."""
+    lines = []
+    for config, res in results.items():
+        for rate, r in res.get("rates", {}).items():
+            tl = r.get("itl_timeline") or {}
+            if tl.get("slices"):
+                p99 = " ".join("-" if x["p99_ms"] is None else f"{x['p99_ms']:.0f}" for x in tl["slices"])
+                big = ", ".join(f"{x['gap_ms']:.0f} ms at {x['at_s']:.2f} s" for x in tl["largest"][:3])
+                lines.append(f"{config:9s} {rate:>5s} ITL p99 by tenth of {tl['span_s']:.1f} s: {p99}; largest {big}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="Hugging Face model folder (also bench_serving's tokenizer)")
@@ -313,6 +370,7 @@ def main(argv=None) -> int:
         print(f"{config}: {json.dumps(results[config])[:300]}", flush=True)
     print(table(results))
     print(profile_lines(results))
+    print(timeline_lines(results))
     ok = all("error" not in r and all("error" not in x for x in r["rates"].values()) for r in results.values())
     return 0 if ok else 1
 

@@ -932,6 +932,27 @@ def test_http_bench_prompts_never_repeat_at_the_default_size():
     assert cmd[-2:] == ["--speculative-algorithm", "NGRAM_ADAPTIVE"]
 
 
+def test_http_bench_places_each_gap_between_chunks_in_time():
+    """bench_serving's per-request details (TTFT and the gaps, seconds) become the gaps' times since the requests
+    were sent: which tenth of the span holds the tail, and the largest gaps with their request and place."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from sglang_http_bench import itl_timeline
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    # request 0: TTFT 0.1 s, nine gaps of 10 ms (chunks at 0.11 .. 0.19 s); request 1: TTFT 0.5 s, then 10 ms gaps
+    # and one of 300 ms as its 4th gap, ending at 1.0 s
+    tl = itl_timeline([0.1, 0.5, None], [[0.01] * 9, [0.01, 0.01, 0.01, 0.3, 0.01, 0.01, 0.01, 0.01, 0.01, 0.12],
+                                         [0.5]])
+    assert tl["span_s"] == pytest.approx(1.0)
+    assert [x["gaps"] for x in tl["slices"]] == [0, 9, 0, 0, 0, 3, 0, 0, 6, 1]
+    big = tl["largest"][0]
+    assert big == {"at_s": 0.83, "gap_ms": 300.0, "request": 1, "chunk": 4, "chunks": 11}
+    assert tl["slices"][8]["max_ms"] == 300.0 and tl["slices"][1]["p99_ms"] == pytest.approx(10.0)
+    assert tl["largest"][1]["gap_ms"] == pytest.approx(120.0) and tl["largest"][1]["at_s"] == pytest.approx(1.0)
+    assert itl_timeline([], []) == {} and itl_timeline([None], [[0.1]]) == {}
+
+
 def test_http_bench_against_a_stub_server(tmp_path):
     """`scripts/sglang_http_bench.py`: a server per config, bench_serving at each rate, the table and the JSON, all
     against the stub server on 127.0.0.1; a config whose server never starts is an error, not a hang."""
