@@ -431,6 +431,8 @@ def run_one(name: str, a) -> dict:
                     run["period_ms_repeats"] = [(r["scheduler"] or {}).get("period_ms") for r in passes]
                     run["host_probe_ms_repeats"] = [r["host_probe_ms"] for r in passes]
                     run["new_triton_kernels_repeats"] = [r["new_triton_kernels"] for r in passes]
+                # what run_child keeps if the configuration runs past its limit
+                print("PARTIAL " + json.dumps(out), flush=True)
     finally:
         engine.shutdown()
     return out
@@ -540,7 +542,8 @@ def run_child(script: str, name: str, timeout: float, logs: str | None, grace: f
     with the engine's processes) and return the JSON it prints after ``RESULT ``, or an error with the tail of its
     stderr; ``wall_s`` added. Its stderr goes to LOGS/NAME.log when ``logs`` is given. At the timeout the group gets
     SIGUSR1 first: the processes that registered it (the child; with NGRAMSPEC_STACKS_ON_SIGUSR1, which this sets,
-    NGRAM_ADAPTIVE's scheduler) print every thread's stack to stderr, so a hang shows where; then it is killed."""
+    NGRAM_ADAPTIVE's scheduler) print every thread's stack to stderr, so a hang shows where; then it is killed, and
+    the sets it finished (its last ``PARTIAL `` line) come back with the error."""
     cmd = [sys.executable, os.path.abspath(script), "--one", name] + sys.argv[1:]
     env = dict(os.environ, NGRAMSPEC_STACKS_ON_SIGUSR1="1")
     t = time.time()
@@ -564,7 +567,10 @@ def run_child(script: str, name: str, timeout: float, logs: str | None, grace: f
         with open(os.path.join(logs, f"{name}.log"), "w") as f:
             f.write(err[-400_000:])
     if timed_out:
-        res = {"config": name, "error": f"timeout {int(timeout)}s", "stderr_tail": err[-6000:]}
+        # the sets it finished (the child prints its result so far after each set), marked with the error
+        partial = [ln for ln in (out or "").splitlines() if ln.startswith("PARTIAL ")]
+        res = json.loads(partial[-1][8:]) if partial else {"config": name}
+        res.update(error=f"timeout {int(timeout)}s", stderr_tail=err[-6000:])
     else:
         line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         res = json.loads(line[-1][7:]) if line else {"config": name, "error": f"rc={proc.returncode}",

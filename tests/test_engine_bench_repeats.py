@@ -175,3 +175,31 @@ def test_each_timed_set_records_a_host_probe_and_the_summary_gives_each_configs_
     adaptive = [ln for ln in text.splitlines() if ln.startswith("adaptive ") and "median" in ln]
     assert plain[0].split()[1:7] == ["median", "3.500", "min", "1.000", "max", "6.000"] and "(6 sets)" in plain[0]
     assert adaptive[0].split()[1:7] == ["median", "9.000", "min", "9.000", "max", "9.000"]
+
+
+def test_a_config_past_its_limit_keeps_the_sets_it_finished(bench, tmp_path, monkeypatch):
+    """A configuration cut by its limit (a cold machine's slow start) gives back the sets it had timed: the child
+    prints its result so far after each set, and `run_child` keeps the last one, marked with the timeout."""
+    module, _ = bench
+    out = module.run_one("plain", args(1))  # the child prints PARTIAL after each set, the last one whole
+    (tmp_path / "so_far.json").write_text(json.dumps(out))
+    child = tmp_path / "child.py"
+    child.write_text("import json, time\n"
+                     "print('PARTIAL ' + json.dumps({'config': 'plain', 'runs': {}}), flush=True)\n"
+                     f"print('PARTIAL ' + open({str(tmp_path / 'so_far.json')!r}).read(), flush=True)\n"
+                     "time.sleep(60)\n")
+    monkeypatch.setattr(sys, "argv", ["bench"])
+    res = module.run_child(str(child), "plain", timeout=3, logs=None, grace=1)
+    assert res["error"] == "timeout 3s" and res["runs"] == out["runs"] and res["wall_s"] < 30
+    child.write_text("import time\ntime.sleep(60)\n")  # nothing finished: the error alone, as before
+    res = module.run_child(str(child), "plain", timeout=2, logs=None, grace=1)
+    assert res["error"] == "timeout 2s" and "runs" not in res
+
+
+def test_run_one_prints_its_result_so_far_after_each_set(bench, capsys):
+    module, _ = bench
+    out = module.run_one("plain", args(1))
+    partial = [json.loads(line[8:]) for line in capsys.readouterr().out.splitlines() if line.startswith("PARTIAL ")]
+    assert [list(p["runs"]) for p in partial] == [["copy/c1"], ["copy/c1", "free/c1"],
+                                                   ["copy/c1", "free/c1", "copy/c4"], list(out["runs"])]
+    assert partial[-1]["runs"] == json.loads(json.dumps(out["runs"]))
