@@ -34,6 +34,8 @@ import signal
 import sys
 import time
 
+import numpy as np
+
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, SCRIPTS)
 import sglang_engine_bench as engine_bench  # noqa: E402
@@ -172,15 +174,6 @@ def read_result(path: str) -> dict:
     return r
 
 
-def _pct(xs: list, q: float) -> float:
-    """The q-th percentile (0-100) of a sorted list, linear between ranks (numpy's default)."""
-    if len(xs) == 1:
-        return xs[0]
-    i = (len(xs) - 1) * q / 100.0
-    lo = int(i)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (i - lo)
-
-
 def itl_timeline(ttfts: list, itls: list, parts: int = 10, top: int = 20) -> dict:
     """Where the gaps between streamed chunks fall, from bench_serving's per-request details (seconds): each gap's
     time is its chunk's arrival since the request was sent (TTFT plus the gaps before it; at rate inf every request
@@ -203,8 +196,8 @@ def itl_timeline(ttfts: list, itls: list, parts: int = 10, top: int = 20) -> dic
         lo, hi = end * k / parts, end * (k + 1) / parts
         ms = sorted(x[1] for x in gaps if lo <= x[0] < hi or (k == parts - 1 and x[0] == hi))
         slices.append({"from_s": round(lo, 3), "to_s": round(hi, 3), "gaps": len(ms),
-                       "p50_ms": round(_pct(ms, 50), 2) if ms else None,
-                       "p99_ms": round(_pct(ms, 99), 2) if ms else None,
+                       "p50_ms": round(float(np.percentile(ms, 50)), 2) if ms else None,
+                       "p99_ms": round(float(np.percentile(ms, 99)), 2) if ms else None,
                        "max_ms": round(ms[-1], 2) if ms else None})
     largest = sorted(gaps, key=lambda x: -x[1])[:top]
     return {"span_s": round(end, 3), "slices": slices,
