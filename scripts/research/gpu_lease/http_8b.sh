@@ -6,7 +6,7 @@ if [ ! -f "$M/model.safetensors" ]; then
   python3 scripts/pad_model.py dense /root/m/smollm2 "$M" > /tmp/pad.txt 2>&1 || { tail -20 /tmp/pad.txt; exit 8; }
 fi
 timeout -k 5 ${T:-560} python3 scripts/sglang_http_bench.py --model "$M" --out /tmp/http${TAG:-} \
-  --configs ${CONFIGS:-plain,adaptive} --rates ${RATES:-inf,8} --warmup 200 > /tmp/http${TAG:-}.txt 2>&1
+  --configs ${CONFIGS:-plain,adaptive} --rates ${RATES:-inf,8} --warmup 200 > $OUT/http_dense8b${TAG:-}_console.txt 2>&1
 echo "rc $? $(date +%T)"; cleanup
-tail -c 4000 /tmp/http${TAG:-}.txt
+tail -c 4000 $OUT/http_dense8b${TAG:-}_console.txt
 cp /tmp/http${TAG:-}/http_bench.json $OUT/http_dense8b${TAG:-}.json 2>/dev/null; true
