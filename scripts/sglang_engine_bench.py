@@ -192,6 +192,8 @@ CONFIGS = {
     "adaptive_skv": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"split_kv_verify": True}),
     "adaptive_f16_skv": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16,
                                                                                      "split_kv_verify": True}),
+    # the same with one program per KV head for its GQA group of query heads
+    "adaptive_skvg": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"split_kv_verify": "grouped"}),
 }
 
 

@@ -1,8 +1,9 @@
 """GPU time of a verify's parts against a decode step's, kernel by kernel (needs CUDA and SGLang's Triton kernels).
 
 1. Attention, one layer: SGLang's prefill kernel on a tree verify (what the Triton backend runs for a verify),
-   `split_kv_verify`'s two kernels on the same inputs (and their largest difference from it), and SGLang's decode
-   kernel for one token, over widths, prefix lengths and batch sizes.
+   `split_kv_verify`'s two kernels on the same inputs (and their largest difference from it), the same with its
+   grouped first kernel (`split_kv_verify` "grouped"), and SGLang's decode kernel for one token, over widths, prefix
+   lengths and batch sizes.
 2. The weight GEMMs (`F.linear`, float16) of 32 layers at M tokens: the cost-padded SmolLM2's shapes and
    Llama-3.1-8B's.
 
@@ -82,6 +83,7 @@ def attention(h_q: int, h_kv: int, d: int, widths, prefixes, batches, dtype=torc
     gen = torch.Generator().manual_seed(0)
     rows = []
     kernel = SplitKvVerify(max(batches), h_q, d, max(widths), dev)
+    grouped = SplitKvVerify(max(batches), h_q, d, max(widths), dev, grouped=True)
     for bs in batches:
         for n in prefixes:
             pool = bs * n + 16
@@ -106,14 +108,18 @@ def attention(h_q: int, h_kv: int, d: int, widths, prefixes, batches, dtype=torc
                 qo_indptr = torch.arange(0, (bs + 1) * w, w, dtype=torch.int32).to(dev)
                 mask = torch.cat([tree_mask(w, n, gen) for _ in range(bs)]).to(dev)
                 mask_indptr = torch.arange(0, (bs + 1) * w * (n + w), w * (n + w), dtype=torch.int64).to(dev)
-                o_ref, o_ours = torch.empty_like(q), torch.empty_like(q)
+                o_ref, o_ours, o_grp = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
                 ref_ms = timed(lambda: extend_attention_fwd(q, k, v, o_ref, k_buf, v_buf, qo_indptr, kv_indptr,
                                                             kv_indices, mask, True, mask_indptr, w, 1.0, 1.0, scale))
                 ours_ms = timed(lambda: kernel.launch(q, k, v, o_ours, k_buf, v_buf, qo_indptr, kv_indptr,
                                                       kv_indices, mask, mask_indptr, w, sm_scale=scale))
+                grp_ms = timed(lambda: grouped.launch(q, k, v, o_grp, k_buf, v_buf, qo_indptr, kv_indptr,
+                                                      kv_indices, mask, mask_indptr, w, sm_scale=scale))
                 diff = float((o_ref.float() - o_ours.float()).abs().max())
+                diff_g = float((o_ref.float() - o_grp.float()).abs().max())
                 row = dict(bs=bs, prefix=n, width=w, decode_ms=round(dec_ms, 4), sglang_verify_ms=round(ref_ms, 4),
-                           split_kv_ms=round(ours_ms, 4), max_diff=round(diff, 5))
+                           split_kv_ms=round(ours_ms, 4), max_diff=round(diff, 5),
+                           split_kv_grouped_ms=round(grp_ms, 4), max_diff_grouped=round(diff_g, 5))
                 print("attention", json.dumps(row), flush=True)
                 rows.append(row)
     return rows

@@ -93,7 +93,9 @@ ADAPTIVE_CONFIG_KEYS = {
                      "conditions (CUDA graphs, Triton attention); not with recycle",
     "split_kv_verify": "experimental, default false: a verify's attention splits each request's prefix over many "
                        "GPU programs, as a decode step's does, instead of SGLang's prefill kernel (one program per "
-                       "request and head walking the whole prefix); trees and chains; Triton attention only",
+                       "request and head walking the whole prefix); trees and chains; Triton attention only. "
+                       "\"grouped\": the same, with one program per KV head for all the query heads that share it "
+                       "(each KV block read once per GQA group)",
     "pinned_cache_mb": "the most pinned host memory (MB) torch may keep cached but unused in the scheduler: above it "
                        "the unused blocks go back to the driver (checked every 256 decode steps, and at a cache "
                        "flush). A verify's host buffers grow with batch x width, and torch never returns pinned "
@@ -130,7 +132,7 @@ class AdaptiveConfig:
     width_cycle: tuple[int, ...] | None = None
     draft_max_batch: int | None = DEFAULT_DRAFT_MAX_BATCH
     device_drafts: int = 0
-    split_kv_verify: bool = False
+    split_kv_verify: bool | str = False
     pinned_cache_mb: float | None = DEFAULT_PINNED_CACHE_MB
     plain_forwards_auto: bool = field(default=False, init=False)
 
@@ -192,8 +194,8 @@ class AdaptiveConfig:
             raise ValueError(f"draft_max_batch must be an int >= 1, got {self.draft_max_batch!r}")
         if not _is_int(self.device_drafts) or self.device_drafts < 0:
             raise ValueError(f"device_drafts must be an int >= 0, got {self.device_drafts!r}")
-        if not isinstance(self.split_kv_verify, bool):
-            raise ValueError(f"split_kv_verify must be true or false, got {self.split_kv_verify!r}")
+        if not isinstance(self.split_kv_verify, bool) and self.split_kv_verify != "grouped":
+            raise ValueError(f"split_kv_verify must be true, false or \"grouped\", got {self.split_kv_verify!r}")
         m = self.pinned_cache_mb
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < float("inf")):
             raise ValueError(f"pinned_cache_mb must be a number >= 0 or null, got {m!r}")

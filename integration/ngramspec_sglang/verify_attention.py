@@ -7,7 +7,8 @@ splits the prefix across many programs instead. This module does the same for a 
 `verify_splitkv.py` (Apache-2.0; there enabled on AMD only, for EAGLE's pure chains):
 
 * stage 1 splits each request's prefix over ``N_SPLITS`` programs per head; every draft token sees the whole prefix,
-  so no mask is read there; each program writes its partial output and log-sum-exp;
+  so no mask is read there; each program writes its partial output and log-sum-exp (``grouped``: one program per KV
+  head takes all the query heads that share it, so each KV block is read once per GQA group, not once per head);
 * stage 2 merges the splits and adds the attention among the draft tokens, where the tree's mask applies: it reads
   the draft-by-draft cells of SGLang's verify mask (request b's row i starts at ``mask_indptr[b] + i * (prefix_b +
   L)``, its draft cells after the ``prefix_b`` prefix cells), or, without a mask, the causal chain.
@@ -96,6 +97,71 @@ def _prefix_stage1(
 
 
 @triton.jit
+def _prefix_stage1_grouped(
+    Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, Att_Out, Att_Lse,
+    stride_qbs, stride_qh, stride_buf_kbs, stride_buf_kh, stride_buf_vbs, stride_buf_vh,
+    stride_ob, stride_oh, stride_os, stride_ol, stride_lb, stride_lh, stride_ls,
+    kv_group_num: tl.constexpr, GROUP_PAD: tl.constexpr, N_SPLITS: tl.constexpr, L_EXT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr,
+):
+    """`_prefix_stage1` for all query heads of one KV head at once: one program per (request, KV head, split) reads
+    each KV block once for the ``kv_group_num`` heads that share it (GQA), as SGLang's grouped decode kernel does, and
+    multiplies it with their ``kv_group_num x L_EXT`` draft rows in one tile. Row r is head ``r // L_EXT`` of the
+    group (padded to GROUP_PAD) and draft row ``r % L_EXT``; the outputs land where `_prefix_stage1` puts them."""
+    cur_batch = tl.program_id(0)
+    cur_kv_head = tl.program_id(1)
+    split_id = tl.program_id(2)
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_r = tl.arange(0, GROUP_PAD * L_EXT)
+    head_in_group = offs_r // L_EXT
+    offs_l = offs_r % L_EXT
+    heads = cur_kv_head * kv_group_num + head_in_group
+    q_start = tl.load(qo_indptr + cur_batch)
+    l_ext = tl.load(qo_indptr + cur_batch + 1) - q_start
+    mask_r = (offs_l < l_ext) & (head_in_group < kv_group_num)
+    kv_start = tl.load(kv_indptr + cur_batch)
+    seq_len = tl.load(kv_indptr + cur_batch + 1) - kv_start
+
+    per_split = tl.cdiv(tl.cdiv(seq_len, N_SPLITS), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    split_start = per_split * split_id
+    split_end = tl.minimum(split_start + per_split, seq_len)
+    offs_lse = cur_batch * stride_lb + heads * stride_lh + split_id * stride_ls + offs_l
+
+    if split_end > split_start:
+        offs_q = (q_start + offs_l)[:, None] * stride_qbs + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(Q + offs_q, mask=mask_r[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        q = q.to(K_Buffer.dtype.element_ty)
+        e_max = tl.zeros([GROUP_PAD * L_EXT], dtype=tl.float32) - float("inf")
+        e_sum = tl.zeros([GROUP_PAD * L_EXT], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD * L_EXT, BLOCK_DV], dtype=tl.float32)
+        for start_n in tl.range(split_start, split_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < split_end
+            kv_loc = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0)
+            k = tl.load(K_Buffer + kv_loc[None, :] * stride_buf_kbs + cur_kv_head * stride_buf_kh + offs_d[:, None],
+                        mask=(offs_d[:, None] < HEAD_DIM) & n_mask[None, :], other=0.0)
+            qk = tl.dot(q, k) * (sm_scale * k_scale)  # [GROUP_PAD * L_EXT, BLOCK_N]; the whole prefix is visible
+            qk = tl.where(n_mask[None, :], qk, float("-inf"))
+            v = tl.load(V_Buffer + kv_loc[:, None] * stride_buf_vbs + cur_kv_head * stride_buf_vh + offs_dv[None, :],
+                        mask=n_mask[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
+            n_e_max = tl.maximum(tl.max(qk, 1), e_max)
+            re_scale = tl.exp(e_max - n_e_max)
+            p = tl.exp(qk - n_e_max[:, None])
+            acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v)
+            e_sum = e_sum * re_scale + tl.sum(p, 1)
+            e_max = n_e_max
+        acc *= v_scale
+        offs_o = (cur_batch * stride_ob + heads[:, None] * stride_oh + split_id * stride_os
+                  + offs_l[:, None] * stride_ol + offs_dv[None, :])
+        tl.store(Att_Out + offs_o, acc / e_sum[:, None], mask=mask_r[:, None] & (offs_dv[None, :] < V_HEAD_DIM))
+        tl.store(Att_Lse + offs_lse, e_max + tl.log(e_sum), mask=mask_r)
+    else:  # an empty split: a sentinel the merge ignores
+        tl.store(Att_Lse + offs_lse, tl.zeros([GROUP_PAD * L_EXT], tl.float32) - float("inf"), mask=mask_r)
+
+
+@triton.jit
 def _merge_stage2(
     Att_Out, Att_Lse, Q, K_Extend, V_Extend, O_Out, Mask, mask_indptr, kv_indptr, sm_scale, qo_indptr,
     stride_ob, stride_oh, stride_os, stride_ol, stride_lb, stride_lh, stride_ls,
@@ -180,10 +246,13 @@ def rows_padded(width: int) -> int:
 
 class SplitKvVerify:
     """Buffers for up to ``max_bs`` requests of ``h_q`` query heads (value head size ``v_head_dim``) and verifies of
-    up to ``max_width`` tokens, allocated once; call it as SGLang calls ``verify_splitkv_fwd``."""
+    up to ``max_width`` tokens, allocated once; call it as SGLang calls ``verify_splitkv_fwd``. ``grouped``: stage 1
+    as `_prefix_stage1_grouped` (one program per KV head, reading each KV block once for its GQA group) instead of
+    one program per query head."""
 
-    def __init__(self, max_bs: int, h_q: int, v_head_dim: int, max_width: int, device):
+    def __init__(self, max_bs: int, h_q: int, v_head_dim: int, max_width: int, device, grouped: bool = False):
         self.max_bs, self.h_q, self.v_head_dim = int(max_bs), int(h_q), int(v_head_dim)
+        self.grouped = bool(grouped)
         self.max_rows = rows_padded(max_width)
         # the largest bs * n_splits over the batch sizes served (n_splits shrinks as the batch grows)
         lanes = max(bs * n_splits_for(bs, self.h_q) for bs in range(1, self.max_bs + 1))
@@ -245,13 +314,22 @@ class SplitKvVerify:
         att_lse = self._lse[: bs * h_q * splits * rows].view(bs, h_q, splits, rows)
         k, v = k.contiguous(), v.contiguous()
         block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
-        _prefix_stage1[(bs, h_q, splits)](
-            q, k_buffer, v_buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, att_out, att_lse,
-            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-            *att_out.stride()[:4], *att_lse.stride()[:3],
-            kv_group_num=kv_group, N_SPLITS=splits, L_EXT=rows, HEAD_DIM=d, V_HEAD_DIM=dv, BLOCK_DMODEL=block_d,
-            BLOCK_DV=block_dv, BLOCK_N=BLOCK_N, MIN_BLOCK_KV=MIN_BLOCK_KV, num_warps=NUM_WARPS, num_stages=1,
-        )
+        stage1_args = (q, k_buffer, v_buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, att_out,
+                       att_lse, q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+                       v_buffer.stride(1), *att_out.stride()[:4], *att_lse.stride()[:3])
+        if self.grouped:
+            group_pad = triton.next_power_of_2(kv_group)
+            _prefix_stage1_grouped[(bs, k.shape[1], splits)](
+                *stage1_args, kv_group_num=kv_group, GROUP_PAD=group_pad, N_SPLITS=splits, L_EXT=rows, HEAD_DIM=d,
+                V_HEAD_DIM=dv, BLOCK_DMODEL=block_d, BLOCK_DV=block_dv, BLOCK_N=BLOCK_N, MIN_BLOCK_KV=MIN_BLOCK_KV,
+                num_warps=NUM_WARPS if group_pad * rows <= 64 else 2 * NUM_WARPS, num_stages=1,
+            )
+        else:
+            _prefix_stage1[(bs, h_q, splits)](
+                *stage1_args, kv_group_num=kv_group, N_SPLITS=splits, L_EXT=rows, HEAD_DIM=d, V_HEAD_DIM=dv,
+                BLOCK_DMODEL=block_d, BLOCK_DV=block_dv, BLOCK_N=BLOCK_N, MIN_BLOCK_KV=MIN_BLOCK_KV,
+                num_warps=NUM_WARPS, num_stages=1,
+            )
         use_mask = custom_mask is not None
         mask, mask_ptr = (custom_mask, mask_indptr) if use_mask else (qo_indptr, qo_indptr)  # unread without a mask
         _merge_stage2[(bs, h_q)](

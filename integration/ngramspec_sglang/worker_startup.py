@@ -109,7 +109,8 @@ class WorkerStartup:
             logger.warning("NGRAM_ADAPTIVE: split_kv_verify needs attention layers; off")
             return None
         max_bs = min(self.config.draft_max_batch or self.max_batch_size, self.max_batch_size)
-        kernel = SplitKvVerify(max_bs, layer.tp_q_head_num, layer.v_head_dim, self.max_width, self.device)
+        kernel = SplitKvVerify(max_bs, layer.tp_q_head_num, layer.v_head_dim, self.max_width, self.device,
+                               grouped=self.config.split_kv_verify == "grouped")
         try:  # the kernels on this GPU beside SGLang's prefill kernel, once, before any graph captures them
             diff = self_check(kernel, layer.tp_k_head_num, layer.qk_head_dim, self.model_runner.dtype, self.device)
         except Exception:
@@ -119,8 +120,9 @@ class WorkerStartup:
             logger.warning("NGRAM_ADAPTIVE: split_kv_verify differs from SGLang's kernel by %.3g at start-up; off",
                            diff)
             return None
-        logger.info("NGRAM_ADAPTIVE: split-KV verify attention on, up to %d requests (%.1f MB of buffers; "
-                    "start-up check: within %.2g of SGLang's kernel)", max_bs, kernel.nbytes / 2**20, diff)
+        logger.info("NGRAM_ADAPTIVE: split-KV verify attention on%s, up to %d requests (%.1f MB of buffers; "
+                    "start-up check: within %.2g of SGLang's kernel)", " (grouped)" if kernel.grouped else "",
+                    max_bs, kernel.nbytes / 2**20, diff)
         return kernel
 
     def _install_split_kv(self, backend) -> None:

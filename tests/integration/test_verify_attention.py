@@ -97,11 +97,13 @@ def run(kernel, p, width, use_mask=True):
     (3, 3, 4, 4, 16, [64, 1, 200], True),
     (1, 16, 8, 2, 64, [300], False),
     (2, 1, 4, 2, 16, [9, 70], False),  # width 1: the root alone
+    (2, 5, 6, 2, 16, [70, 33], False),  # groups of 3 query heads (padded to 4 in the grouped kernel)
 ])
-def test_it_equals_a_reference_attention_for_trees_and_chains(bs, width, h_q, h_kv, d, prefix_lens, chain):
+@pytest.mark.parametrize("grouped", [False, True])
+def test_it_equals_a_reference_attention_for_trees_and_chains(bs, width, h_q, h_kv, d, prefix_lens, chain, grouped):
     gen = torch.Generator().manual_seed(bs * 100 + width)
     p = problem(bs, width, h_q, h_kv, d, prefix_lens, gen, chain=chain)
-    kernel = SplitKvVerify(max_bs=4, h_q=h_q, v_head_dim=d, max_width=16, device="cpu")
+    kernel = SplitKvVerify(max_bs=4, h_q=h_q, v_head_dim=d, max_width=16, device="cpu", grouped=grouped)
     ok, o = run(kernel, p, width)
     assert ok and kernel.launches == 1
     torch.testing.assert_close(o, reference(p, bs, width, h_q, h_kv, d), atol=2e-4, rtol=2e-4)
@@ -125,12 +127,13 @@ def test_a_wrong_mask_changes_the_output():
 
 
 @kernel_test
-def test_it_equals_sglangs_prefill_kernel_on_the_same_verify():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_it_equals_sglangs_prefill_kernel_on_the_same_verify(grouped):
     ext = pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
     gen = torch.Generator().manual_seed(3)
     bs, width, h_q, h_kv, d = 2, 8, 8, 2, 32
     p = problem(bs, width, h_q, h_kv, d, [45, 110], gen, dtype=torch.float16)
-    kernel = SplitKvVerify(max_bs=bs, h_q=h_q, v_head_dim=d, max_width=16, device="cpu")
+    kernel = SplitKvVerify(max_bs=bs, h_q=h_q, v_head_dim=d, max_width=16, device="cpu", grouped=grouped)
     ok, ours = run(kernel, p, width)
     theirs = torch.empty_like(p["q"])
     ext.extend_attention_fwd(p["q"], p["k"], p["v"], theirs, p["k_buffer"], p["v_buffer"], p["qo_indptr"],
@@ -184,11 +187,12 @@ def test_install_routes_a_triton_backends_verify_through_it_and_leaves_others():
     assert not install(other, kernel) and vars(other) == {"forward_extend": None}
 
 
-def test_the_knob_is_a_boolean_and_off_by_default():
+def test_the_knob_is_off_by_default_and_takes_true_false_or_grouped():
     from ngramspec_sglang.config import AdaptiveConfig
 
     assert AdaptiveConfig(widths=(1, 2, 4)).split_kv_verify is False
     assert AdaptiveConfig(widths=(1, 2, 4), split_kv_verify=True).split_kv_verify is True
+    assert AdaptiveConfig(widths=(1, 2, 4), split_kv_verify="grouped").split_kv_verify == "grouped"
     with pytest.raises(ValueError, match="split_kv_verify"):
         AdaptiveConfig(widths=(1, 2, 4), split_kv_verify="yes")
 
@@ -201,6 +205,8 @@ def test_the_start_up_check_agrees_with_sglangs_kernel_and_catches_a_broken_one(
     kernel = SplitKvVerify(max_bs=4, h_q=8, v_head_dim=32, max_width=16, device="cpu")
     assert self_check(kernel, 2, 32, torch.float16, "cpu") <= SELF_CHECK_TOLERANCE
     assert kernel.launches == 0  # the check is not counted as a served verify
+    grouped = SplitKvVerify(max_bs=4, h_q=8, v_head_dim=32, max_width=16, device="cpu", grouped=True)
+    assert self_check(grouped, 2, 32, torch.float16, "cpu") <= SELF_CHECK_TOLERANCE
 
     def zeros(q, k, v, o, *args):  # a "reference" that is wrong
         o.zero_()
