@@ -41,89 +41,21 @@ def _draft_rows(qo_indptr, cur_batch, L_EXT: tl.constexpr):
 
 
 @triton.jit
-def _prefix_stage1(
-    Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, Att_Out, Att_Lse,
+def _prefix_split(
+    Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, kv_indptr, kv_indices, Att_Out, Att_Lse,
     stride_qbs, stride_qh, stride_buf_kbs, stride_buf_kh, stride_buf_vbs, stride_buf_vh,
     stride_ob, stride_oh, stride_os, stride_ol, stride_lb, stride_lh, stride_ls,
-    kv_group_num: tl.constexpr, N_SPLITS: tl.constexpr, L_EXT: tl.constexpr, HEAD_DIM: tl.constexpr,
-    V_HEAD_DIM: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_BLOCK_KV: tl.constexpr,
+    cur_batch, cur_kv_head, split_id, q_start, heads, offs_l, mask_r,
+    ROWS: tl.constexpr, N_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
+    BLOCK_DMODEL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr,
 ):
-    cur_batch = tl.program_id(0)
-    cur_head = tl.program_id(1)
-    split_id = tl.program_id(2)
-    cur_kv_head = cur_head // kv_group_num
+    """One split of one request's prefix against ``ROWS`` query rows that share KV head ``cur_kv_head``: row r is
+    draft row ``offs_l[r]`` of query head ``heads[r]`` (``mask_r``: real rows). Writes each row's partial output and
+    log-sum-exp; every draft token sees the whole prefix, so no mask is read."""
     offs_d = tl.arange(0, BLOCK_DMODEL)
     offs_dv = tl.arange(0, BLOCK_DV)
-    offs_l, q_start, l_ext, mask_l = _draft_rows(qo_indptr, cur_batch, L_EXT)
     kv_start = tl.load(kv_indptr + cur_batch)
     seq_len = tl.load(kv_indptr + cur_batch + 1) - kv_start
-
-    per_split = tl.cdiv(tl.cdiv(seq_len, N_SPLITS), MIN_BLOCK_KV) * MIN_BLOCK_KV
-    split_start = per_split * split_id
-    split_end = tl.minimum(split_start + per_split, seq_len)
-    offs_lse = cur_batch * stride_lb + cur_head * stride_lh + split_id * stride_ls + offs_l
-
-    if split_end > split_start:
-        offs_q = (q_start + offs_l)[:, None] * stride_qbs + cur_head * stride_qh + offs_d[None, :]
-        q = tl.load(Q + offs_q, mask=mask_l[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        q = q.to(K_Buffer.dtype.element_ty)
-        e_max = tl.zeros([L_EXT], dtype=tl.float32) - float("inf")
-        e_sum = tl.zeros([L_EXT], dtype=tl.float32)
-        acc = tl.zeros([L_EXT, BLOCK_DV], dtype=tl.float32)
-        for start_n in tl.range(split_start, split_end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < split_end
-            kv_loc = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0)
-            k = tl.load(K_Buffer + kv_loc[None, :] * stride_buf_kbs + cur_kv_head * stride_buf_kh + offs_d[:, None],
-                        mask=(offs_d[:, None] < HEAD_DIM) & n_mask[None, :], other=0.0)
-            qk = tl.dot(q, k) * (sm_scale * k_scale)  # [L_EXT, BLOCK_N]; the whole prefix is visible
-            qk = tl.where(n_mask[None, :], qk, float("-inf"))
-            v = tl.load(V_Buffer + kv_loc[:, None] * stride_buf_vbs + cur_kv_head * stride_buf_vh + offs_dv[None, :],
-                        mask=n_mask[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
-            n_e_max = tl.maximum(tl.max(qk, 1), e_max)
-            re_scale = tl.exp(e_max - n_e_max)
-            p = tl.exp(qk - n_e_max[:, None])
-            acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v)
-            e_sum = e_sum * re_scale + tl.sum(p, 1)
-            e_max = n_e_max
-        acc *= v_scale
-        offs_o = (cur_batch * stride_ob + cur_head * stride_oh + split_id * stride_os + offs_l[:, None] * stride_ol
-                  + offs_dv[None, :])
-        tl.store(Att_Out + offs_o, acc / e_sum[:, None], mask=mask_l[:, None] & (offs_dv[None, :] < V_HEAD_DIM))
-        tl.store(Att_Lse + offs_lse, e_max + tl.log(e_sum), mask=mask_l)
-    else:  # an empty split: a sentinel the merge ignores
-        tl.store(Att_Lse + offs_lse, tl.zeros([L_EXT], tl.float32) - float("inf"), mask=mask_l)
-
-
-@triton.jit
-def _prefix_stage1_grouped(
-    Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, Att_Out, Att_Lse,
-    stride_qbs, stride_qh, stride_buf_kbs, stride_buf_kh, stride_buf_vbs, stride_buf_vh,
-    stride_ob, stride_oh, stride_os, stride_ol, stride_lb, stride_lh, stride_ls,
-    kv_group_num: tl.constexpr, GROUP_PAD: tl.constexpr, N_SPLITS: tl.constexpr, L_EXT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr,
-):
-    """`_prefix_stage1` for all query heads of one KV head at once: one program per (request, KV head, split) reads
-    each KV block once for the ``kv_group_num`` heads that share it (GQA), as SGLang's grouped decode kernel does, and
-    multiplies it with their ``kv_group_num x L_EXT`` draft rows in one tile. Row r is head ``r // L_EXT`` of the
-    group (padded to GROUP_PAD) and draft row ``r % L_EXT``; the outputs land where `_prefix_stage1` puts them."""
-    cur_batch = tl.program_id(0)
-    cur_kv_head = tl.program_id(1)
-    split_id = tl.program_id(2)
-    offs_d = tl.arange(0, BLOCK_DMODEL)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_r = tl.arange(0, GROUP_PAD * L_EXT)
-    head_in_group = offs_r // L_EXT
-    offs_l = offs_r % L_EXT
-    heads = cur_kv_head * kv_group_num + head_in_group
-    q_start = tl.load(qo_indptr + cur_batch)
-    l_ext = tl.load(qo_indptr + cur_batch + 1) - q_start
-    mask_r = (offs_l < l_ext) & (head_in_group < kv_group_num)
-    kv_start = tl.load(kv_indptr + cur_batch)
-    seq_len = tl.load(kv_indptr + cur_batch + 1) - kv_start
-
     per_split = tl.cdiv(tl.cdiv(seq_len, N_SPLITS), MIN_BLOCK_KV) * MIN_BLOCK_KV
     split_start = per_split * split_id
     split_end = tl.minimum(split_start + per_split, seq_len)
@@ -133,16 +65,16 @@ def _prefix_stage1_grouped(
         offs_q = (q_start + offs_l)[:, None] * stride_qbs + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(Q + offs_q, mask=mask_r[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
         q = q.to(K_Buffer.dtype.element_ty)
-        e_max = tl.zeros([GROUP_PAD * L_EXT], dtype=tl.float32) - float("inf")
-        e_sum = tl.zeros([GROUP_PAD * L_EXT], dtype=tl.float32)
-        acc = tl.zeros([GROUP_PAD * L_EXT, BLOCK_DV], dtype=tl.float32)
+        e_max = tl.zeros([ROWS], dtype=tl.float32) - float("inf")
+        e_sum = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_DV], dtype=tl.float32)
         for start_n in tl.range(split_start, split_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             n_mask = offs_n < split_end
             kv_loc = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0)
             k = tl.load(K_Buffer + kv_loc[None, :] * stride_buf_kbs + cur_kv_head * stride_buf_kh + offs_d[:, None],
                         mask=(offs_d[:, None] < HEAD_DIM) & n_mask[None, :], other=0.0)
-            qk = tl.dot(q, k) * (sm_scale * k_scale)  # [GROUP_PAD * L_EXT, BLOCK_N]; the whole prefix is visible
+            qk = tl.dot(q, k) * (sm_scale * k_scale)  # [ROWS, BLOCK_N]
             qk = tl.where(n_mask[None, :], qk, float("-inf"))
             v = tl.load(V_Buffer + kv_loc[:, None] * stride_buf_vbs + cur_kv_head * stride_buf_vh + offs_dv[None, :],
                         mask=n_mask[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
@@ -158,7 +90,59 @@ def _prefix_stage1_grouped(
         tl.store(Att_Out + offs_o, acc / e_sum[:, None], mask=mask_r[:, None] & (offs_dv[None, :] < V_HEAD_DIM))
         tl.store(Att_Lse + offs_lse, e_max + tl.log(e_sum), mask=mask_r)
     else:  # an empty split: a sentinel the merge ignores
-        tl.store(Att_Lse + offs_lse, tl.zeros([GROUP_PAD * L_EXT], tl.float32) - float("inf"), mask=mask_r)
+        tl.store(Att_Lse + offs_lse, tl.zeros([ROWS], tl.float32) - float("inf"), mask=mask_r)
+
+
+@triton.jit
+def _prefix_stage1(
+    Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, Att_Out, Att_Lse,
+    stride_qbs, stride_qh, stride_buf_kbs, stride_buf_kh, stride_buf_vbs, stride_buf_vh,
+    stride_ob, stride_oh, stride_os, stride_ol, stride_lb, stride_lh, stride_ls,
+    kv_group_num: tl.constexpr, N_SPLITS: tl.constexpr, L_EXT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    V_HEAD_DIM: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_BLOCK_KV: tl.constexpr,
+):
+    """One program per (request, query head, split): the head's draft rows against its split of the prefix."""
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    offs_l, q_start, l_ext, mask_l = _draft_rows(qo_indptr, cur_batch, L_EXT)
+    _prefix_split(
+        Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, kv_indptr, kv_indices, Att_Out, Att_Lse,
+        stride_qbs, stride_qh, stride_buf_kbs, stride_buf_kh, stride_buf_vbs, stride_buf_vh,
+        stride_ob, stride_oh, stride_os, stride_ol, stride_lb, stride_lh, stride_ls,
+        cur_batch, cur_head // kv_group_num, tl.program_id(2), q_start, cur_head + offs_l * 0, offs_l, mask_l,
+        L_EXT, N_SPLITS, HEAD_DIM, V_HEAD_DIM, BLOCK_DMODEL, BLOCK_DV, BLOCK_N, MIN_BLOCK_KV,
+    )
+
+
+@triton.jit
+def _prefix_stage1_grouped(
+    Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, qo_indptr, kv_indptr, kv_indices, Att_Out, Att_Lse,
+    stride_qbs, stride_qh, stride_buf_kbs, stride_buf_kh, stride_buf_vbs, stride_buf_vh,
+    stride_ob, stride_oh, stride_os, stride_ol, stride_lb, stride_lh, stride_ls,
+    kv_group_num: tl.constexpr, GROUP_PAD: tl.constexpr, N_SPLITS: tl.constexpr, L_EXT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr, BLOCK_DMODEL: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_BLOCK_KV: tl.constexpr,
+):
+    """One program per (request, KV head, split) for all ``kv_group_num`` query heads that share the KV head (GQA):
+    each KV block is read once for the group, as SGLang's grouped decode kernel does, and multiplied with the
+    group's ``kv_group_num x L_EXT`` draft rows in one tile. Row r is head ``r // L_EXT`` of the group (padded to
+    GROUP_PAD) and draft row ``r % L_EXT``; the outputs land where `_prefix_stage1` puts them."""
+    cur_batch = tl.program_id(0)
+    cur_kv_head = tl.program_id(1)
+    offs_r = tl.arange(0, GROUP_PAD * L_EXT)
+    head_in_group = offs_r // L_EXT
+    offs_l = offs_r % L_EXT
+    q_start = tl.load(qo_indptr + cur_batch)
+    l_ext = tl.load(qo_indptr + cur_batch + 1) - q_start
+    _prefix_split(
+        Q, K_Buffer, V_Buffer, sm_scale, k_scale, v_scale, kv_indptr, kv_indices, Att_Out, Att_Lse,
+        stride_qbs, stride_qh, stride_buf_kbs, stride_buf_kh, stride_buf_vbs, stride_buf_vh,
+        stride_ob, stride_oh, stride_os, stride_ol, stride_lb, stride_lh, stride_ls,
+        cur_batch, cur_kv_head, tl.program_id(2), q_start, cur_kv_head * kv_group_num + head_in_group, offs_l,
+        (offs_l < l_ext) & (head_in_group < kv_group_num),
+        GROUP_PAD * L_EXT, N_SPLITS, HEAD_DIM, V_HEAD_DIM, BLOCK_DMODEL, BLOCK_DV, BLOCK_N, MIN_BLOCK_KV,
+    )
 
 
 @triton.jit
