@@ -20,6 +20,8 @@ Sums run in another order than the prefill kernel's, so results match it to floa
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,8 @@ BLOCK_N = 32
 NUM_WARPS = 4
 MIN_ROWS = 16  # the draft rows are padded to at least this (tl.dot's smallest tile)
 SELF_CHECK_TOLERANCE = 0.02  # the start-up check's largest difference from SGLang's kernel (float16 outputs of ~1)
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -342,6 +346,26 @@ def install(backend, kernel: SplitKvVerify) -> bool:
     backend.use_verify_splitkv = True
     backend.verify_splitkv_fwd = torch.compiler.disable(kernel)
     return True
+
+
+def checked_kernel(setting, layer, max_bs: int, max_width: int, dtype, device, reference=None):
+    """The kernel `split_kv_verify` ``setting`` (true, or "grouped") names, sized by an attention ``layer`` as the
+    backend sees it (``tp_q_head_num``, ``tp_k_head_num``, ``qk_head_dim``, ``v_head_dim``), after `self_check` on
+    this device; None (logged) if the check raises or differs by more than SELF_CHECK_TOLERANCE."""
+    kernel = SplitKvVerify(max_bs, layer.tp_q_head_num, layer.v_head_dim, max_width, device,
+                           grouped=setting == "grouped")
+    try:  # the kernels on this GPU beside SGLang's prefill kernel, once, before any graph captures them
+        diff = self_check(kernel, layer.tp_k_head_num, layer.qk_head_dim, dtype, device, reference=reference)
+    except Exception:
+        logger.exception("NGRAM_ADAPTIVE: split_kv_verify failed its start-up check; off")
+        return None
+    if not diff <= SELF_CHECK_TOLERANCE:
+        logger.warning("NGRAM_ADAPTIVE: split_kv_verify differs from SGLang's kernel by %.3g at start-up; off", diff)
+        return None
+    logger.info("NGRAM_ADAPTIVE: split-KV verify attention on%s, up to %d requests (%.1f MB of buffers; start-up "
+                "check: within %.2g of SGLang's kernel)", " (grouped)" if kernel.grouped else "", max_bs,
+                kernel.nbytes / 2**20, diff)
+    return kernel
 
 
 def self_check(kernel: SplitKvVerify, h_kv: int, head_dim: int, dtype, device, reference=None,

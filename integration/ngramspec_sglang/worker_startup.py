@@ -102,28 +102,15 @@ class WorkerStartup:
         model's attention layers as the backend sees them (query heads on this TP rank, value head size)."""
         from sglang.srt.layers.radix_attention import RadixAttention
 
-        from .verify_attention import SELF_CHECK_TOLERANCE, SplitKvVerify, self_check
+        from .verify_attention import checked_kernel
 
         layer = next((m for m in self.model_runner.model.modules() if isinstance(m, RadixAttention)), None)
         if layer is None:
             logger.warning("NGRAM_ADAPTIVE: split_kv_verify needs attention layers; off")
             return None
         max_bs = min(self.config.draft_max_batch or self.max_batch_size, self.max_batch_size)
-        kernel = SplitKvVerify(max_bs, layer.tp_q_head_num, layer.v_head_dim, self.max_width, self.device,
-                               grouped=self.config.split_kv_verify == "grouped")
-        try:  # the kernels on this GPU beside SGLang's prefill kernel, once, before any graph captures them
-            diff = self_check(kernel, layer.tp_k_head_num, layer.qk_head_dim, self.model_runner.dtype, self.device)
-        except Exception:
-            logger.exception("NGRAM_ADAPTIVE: split_kv_verify failed its start-up check; off")
-            return None
-        if not diff <= SELF_CHECK_TOLERANCE:
-            logger.warning("NGRAM_ADAPTIVE: split_kv_verify differs from SGLang's kernel by %.3g at start-up; off",
-                           diff)
-            return None
-        logger.info("NGRAM_ADAPTIVE: split-KV verify attention on%s, up to %d requests (%.1f MB of buffers; "
-                    "start-up check: within %.2g of SGLang's kernel)", " (grouped)" if kernel.grouped else "",
-                    max_bs, kernel.nbytes / 2**20, diff)
-        return kernel
+        return checked_kernel(self.config.split_kv_verify, layer, max_bs, self.max_width, self.model_runner.dtype,
+                              self.device)
 
     def _install_split_kv(self, backend) -> None:
         """`split_kv_verify`: ``backend``'s verifies through `SplitKvVerify` (`verify_attention.install`)."""

@@ -212,3 +212,25 @@ def test_the_start_up_check_agrees_with_sglangs_kernel_and_catches_a_broken_one(
         o.zero_()
 
     assert self_check(kernel, 2, 32, torch.float16, "cpu", reference=zeros) > SELF_CHECK_TOLERANCE
+
+
+@kernel_test
+@pytest.mark.parametrize("setting", [True, "grouped"])
+def test_the_worker_builds_the_kernel_the_setting_names(setting):
+    """`split_kv_verify` true builds the per-head kernel, "grouped" the grouped one, sized by the model's attention
+    layer as the backend sees it, after its start-up check against SGLang's kernel; a kernel that fails the check is
+    not used."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("sglang.kernels.ops.attention.extend_attention")
+    from ngramspec_sglang.verify_attention import checked_kernel
+
+    layer = SimpleNamespace(tp_q_head_num=8, tp_k_head_num=2, v_head_dim=32, qk_head_dim=32)
+    kernel = checked_kernel(setting, layer, 4, 8, torch.float16, "cpu")
+    assert kernel is not None and kernel.grouped == (setting == "grouped")
+    assert (kernel.max_bs, kernel.h_q, kernel.v_head_dim, kernel.max_rows) == (4, 8, 32, 16)
+
+    def zeros(q, k, v, o, *args):  # a "reference" that disagrees
+        o.zero_()
+
+    assert checked_kernel(setting, layer, 4, 8, torch.float16, "cpu", reference=zeros) is None
