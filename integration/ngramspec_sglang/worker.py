@@ -104,6 +104,7 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
             self._state.attach(lambda: self.planner.controller)
         self.waiting_requests: int | None = None  # set by the Scheduler.run_batch hook (hooks.py)
         self._width_states: dict[int, tuple] = {}
+        self._prefill_state: tuple | None = None  # (attention backend, graph runner) SGLang started the model with
         self._decode_state: tuple | None = None  # (attention backend, DECODE-mode graph runner) for width 1
         self._profile = HostProfile.from_env(self._tp_group.rank_in_group)
         if self._profile is not None:

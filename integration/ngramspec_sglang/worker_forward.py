@@ -459,7 +459,7 @@ class WorkerForward:
             self._history.write_prompts(batch.req_pool_indices[:bs].tolist(),  # a Req's row is not an attribute of it
                                         [req.origin_input_ids_unpadded for req in batch.reqs])
         self._relayed_rids = {req.rid for req in batch.reqs}
-        state = self._width_states.get(self.max_width)
+        state = self._prefill_state or self._width_states.get(self.max_width)
         if state is not None:  # prefill runs on the start-up backend (a decode step may have swapped it)
             self._activate(state, self.max_width)
         batch_result = self.target_worker.forward_batch_generation(batch, pp_proxy_tensors=pp_proxy_tensors)

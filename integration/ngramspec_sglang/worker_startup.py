@@ -68,11 +68,17 @@ class WorkerStartup:
         """
         runner = self.model_runner
         self._split_kv = self._new_split_kv() if self.config.split_kv_verify and not _is_cpu else None
-        self._install_split_kv(runner.attn_backend)  # before SGLang captures the largest width's graphs with it
+        self._install_split_kv(runner.attn_backend)  # its eager verifies (batches beyond the captured sizes)
         super().init_cuda_graphs()
-        self._width_states[self.max_width] = (runner.attn_backend, runner.decode_cuda_graph_runner)
+        self._prefill_state = (runner.attn_backend, runner.decode_cuda_graph_runner)
+        self._width_states[self.max_width] = self._prefill_state
         graphs_enabled = not check_cuda_graph_backend(Phase.DECODE, Backend.DISABLED)
-        for width in self.config.widths[:-1]:
+        widths = self.config.widths[:-1]
+        if self._split_kv is not None:
+            # the target worker captured the largest width's graphs when it started, before this worker existed, with
+            # SGLang's verify attention: that width gets a backend and graphs of its own too, through the split kernel
+            widths = self.config.widths
+        for width in widths:
             steps = max(1, width // max(1, self.topk))  # as resolved for the largest width
             with get_spec().override(speculative_num_draft_tokens=width, speculative_num_steps=steps), \
                     self._verify_capture_sizes(width):

@@ -284,6 +284,7 @@ def build_worker(worker_mod, forward_mod, world, config, profile_path, bs_max=8)
     w._prev_decode_rids, w._relayed_rids = set(), set()
     w.waiting_requests = 0
     w._width_states = {}
+    w._prefill_state = None
     for width in config.widths:  # as at start-up: a verify state per width, width 1 included (1-token verifies)
         backend = SimpleNamespace(_verify_mask=SimpleNamespace(
             buffer=torch.zeros(bs_max * width * (4096 + width), dtype=torch.uint8), fits=lambda bs: bs <= bs_max))
