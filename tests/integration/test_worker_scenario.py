@@ -109,6 +109,23 @@ def _run(runs: list) -> list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def test_split_kv_verify_reaches_every_width_and_prefill_keeps_the_start_up_backend():
+    """SGLang captures the largest width's verify graphs when it starts the model, before the worker exists: with
+    `split_kv_verify` that width gets a backend and graphs of its own through the split kernel, like every other
+    width; prefill stays on the start-up backend. Without it the largest width runs on the start-up state."""
+    proc = subprocess.run([sys.executable, str(SCENARIO), "startup", json.dumps(
+        [{"widths": [1, 2, 4, 8, 16]}, {"widths": [1, 2, 4, 8, 16], "split_kv_verify": "grouped"}])],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    off, on = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert off["widths"]["16"] == off["prefill"] == {"backend": "startup", "graphs": "startup graphs", "split": False}
+    assert not any(state["split"] for state in off["widths"].values())
+    assert set(on["widths"]) == {"1", "2", "4", "8", "16"}
+    for state in on["widths"].values():
+        assert state == {"backend": "new", "graphs": "graphs of new", "split": True}
+    assert on["prefill"]["backend"] == "startup" and on["prefill"]["graphs"] == "startup graphs"
+
+
 def test_the_length_check_reports_host_lengths_that_lag_the_device():
     """`NGRAMSPEC_CHECK_LENS` (on in the scenario) against a fault put in on purpose: the worker forgets which
     requests the last forward ran, so it leaves their relayed tokens out and its lengths lag the device's."""

@@ -601,5 +601,46 @@ def commit(reqs, toks, lens, truth):
         del r.output_ids[len(truth[r.rid]):]
 
 
+def startup(config_json: dict) -> dict:
+    """`init_cuda_graphs` with SGLang's parts faked (the target worker's own capture, attention backends, graph
+    runners; the split-KV kernel a stand-in, as if on a GPU): for each width, and for prefill, which attention backend
+    it runs on and whether that backend's verifies go through the split kernel. The start-up backend is "startup",
+    a new one "new"."""
+    worker_mod, _ = import_worker()
+    import ngramspec_sglang.worker_startup as startup_mod
+    from ngramspec_sglang.config import resolve_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "adaptive.json"
+        path.write_text(json.dumps(config_json))
+        config = resolve_config(SimpleNamespace(speculative_adaptive_config=str(path),
+                                                speculative_num_draft_tokens=max(config_json["widths"])))
+    worker_mod.NGRAMWorker.init_cuda_graphs = lambda self: None  # the target worker captured its width at start-up
+    startup_mod._is_cpu = False
+    startup_mod.check_cuda_graph_backend = lambda *args: False  # graphs enabled
+    startup_mod.get_spec = lambda: SimpleNamespace(override=lambda **kw: contextlib.nullcontext())
+    backend = lambda name: SimpleNamespace(name=name, use_verify_splitkv=False)  # noqa: E731 (a Triton-like one)
+    w = object.__new__(worker_mod.NgramAdaptiveWorker)
+    w.config, w.max_width, w.topk = config, config.max_width, 1
+    w.model_runner = SimpleNamespace(
+        attn_backend=backend("startup"), decode_cuda_graph_runner="startup graphs",
+        _decode_cuda_graph_runner_cls=lambda: lambda runner, attn_backend, **kw: f"graphs of {attn_backend.name}")
+    w._width_states, w._prefill_state, w._plain_ok = {}, None, False
+    w._new_attention_backend = lambda: backend("new")
+    w._new_split_kv = lambda: (lambda *args, **kwargs: True)
+    w._warm_step_kernels = lambda: None
+    w._verify_capture_sizes = lambda width: contextlib.nullcontext()  # SGLang's batch sizes
+    w.init_cuda_graphs()
+
+    def seen(state):
+        return {"backend": state[0].name, "graphs": state[1], "split": bool(state[0].use_verify_splitkv)}
+
+    return {"widths": {str(k): seen(v) for k, v in sorted(w._width_states.items())},
+            "prefill": seen(w._prefill_state)}
+
+
 if __name__ == "__main__":  # argv[1]: a JSON list of [adaptive config, {run's keyword arguments}]; prints results
-    print(json.dumps([run(c, **kw) for c, kw in json.loads(sys.argv[1])]))
+    if sys.argv[1] == "startup":  # argv[2]: a JSON list of adaptive configs
+        print(json.dumps([startup(c) for c in json.loads(sys.argv[2])]))
+    else:
+        print(json.dumps([run(c, **kw) for c, kw in json.loads(sys.argv[1])]))
