@@ -194,6 +194,9 @@ CONFIGS = {
                                                                                      "split_kv_verify": True}),
     # the same with one program per KV head for its GQA group of query heads
     "adaptive_skvg": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"split_kv_verify": "grouped"}),
+    # the width sweep (adaptive_sweep) through the grouped kernel: each width's verify cost with it
+    "sweep_skvg": dict(speculative_algorithm="NGRAM_ADAPTIVE",
+                       adaptive_file={"width_cycle": [2, 3, 4, 6, 8, 12, 16], "split_kv_verify": "grouped"}),
 }
 
 
