@@ -95,7 +95,8 @@ ADAPTIVE_CONFIG_KEYS = {
                        "GPU programs, as a decode step's does, instead of SGLang's prefill kernel (one program per "
                        "request and head walking the whole prefix); trees and chains; Triton attention only. "
                        "\"grouped\": the same, with one program per KV head for all the query heads that share it "
-                       "(each KV block read once per GQA group)",
+                       "(each KV block read once per GQA group). Either captures one more set of verify CUDA graphs "
+                       "(the largest width's own, through the kernel)",
     "pinned_cache_mb": "the most pinned host memory (MB) torch may keep cached but unused in the scheduler: above it "
                        "the unused blocks go back to the driver (checked every 256 decode steps, and at a cache "
                        "flush). A verify's host buffers grow with batch x width, and torch never returns pinned "

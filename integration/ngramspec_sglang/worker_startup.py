@@ -1,9 +1,10 @@
 """Start-up of `NgramAdaptiveWorker`: what is built once, before the first request.
 
-Preallocated step buffers; an attention backend and a `TARGET_VERIFY` CUDA graph runner per candidate width
-(the largest one is the target worker's own); for width 1 a decode-mode backend and graph runner, as a server
-without speculation captures them; the Triton and JIT kernels a step runs outside the graphs, built now rather
-than inside the first request; and `_activate`, which swaps a width's state in before a forward.
+Preallocated step buffers; an attention backend and a `TARGET_VERIFY` CUDA graph runner per candidate width (the
+largest one is the target worker's own, unless `split_kv_verify` needs one of its own); for width 1 a decode-mode
+backend and graph runner, as a server without speculation captures them; the Triton and JIT kernels a step runs
+outside the graphs, built now rather than inside the first request; and `_activate`, which swaps a width's state in
+before a forward.
 """
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ class WorkerStartup:
         """Capture one TARGET_VERIFY graph (and attention backend) per candidate width, and a DECODE graph.
 
         The target worker already captured the largest width (SGLang's startup
-        `speculative_num_draft_tokens`); the other widths are built here under a scoped override. Width 1 gets
+        `speculative_num_draft_tokens`); the other widths are built here under a scoped override, and with
+        `split_kv_verify` the largest width too (SGLang's capture ran its own verify attention), while prefill keeps
+        the start-up backend. Width 1 gets
         what a server without speculation captures: an attention backend and a decode-mode graph runner (built
         while the model runner reports no speculative algorithm, which is what selects the DECODE capture).
         """
