@@ -91,12 +91,13 @@ ADAPTIVE_CONFIG_KEYS = {
                      "lookup over the request's own tokens (kept in a device table, 4 bytes per token of every "
                      "request slot's row), verified at the width of the last drafting step. Needs preplan's "
                      "conditions (CUDA graphs, Triton attention); not with recycle",
-    "split_kv_verify": "experimental, default false: a verify's attention splits each request's prefix over many "
-                       "GPU programs, as a decode step's does, instead of SGLang's prefill kernel (one program per "
-                       "request and head walking the whole prefix); trees and chains; Triton attention only. "
-                       "\"grouped\": the same, with one program per KV head for all the query heads that share it "
-                       "(each KV block read once per GQA group). Either captures one more set of verify CUDA graphs "
-                       "(the largest width's own, through the kernel)",
+    "split_kv_verify": "default \"grouped\": a verify's attention splits each request's prefix over many GPU "
+                       "programs, as a decode step's does, with one program per KV head for all the query heads "
+                       "that share it (each KV block read once per GQA group), instead of SGLang's prefill kernel "
+                       "(one program per request and head walking the whole prefix); trees and chains. true: the "
+                       "same with one program per query head; false: SGLang's kernel. Triton attention only (off "
+                       "for another backend); checked against SGLang's kernel at start-up, off if it differs. On, it "
+                       "captures one more set of verify CUDA graphs (the largest width's own, through the kernel)",
     "pinned_cache_mb": "the most pinned host memory (MB) torch may keep cached but unused in the scheduler: above it "
                        "the unused blocks go back to the driver (checked every 256 decode steps, and at a cache "
                        "flush). A verify's host buffers grow with batch x width, and torch never returns pinned "
@@ -133,7 +134,7 @@ class AdaptiveConfig:
     width_cycle: tuple[int, ...] | None = None
     draft_max_batch: int | None = DEFAULT_DRAFT_MAX_BATCH
     device_drafts: int = 0
-    split_kv_verify: bool | str = False
+    split_kv_verify: bool | str = "grouped"
     pinned_cache_mb: float | None = DEFAULT_PINNED_CACHE_MB
     plain_forwards_auto: bool = field(default=False, init=False)
 

@@ -1,4 +1,4 @@
-"""Split-KV attention for a verify step (`split_kv_verify`, experimental, off by default): chains and trees.
+"""Split-KV attention for a verify step (`split_kv_verify`, "grouped" by default): chains and trees.
 
 On the Triton backend SGLang runs a verify's attention through its prefill kernel (`extend_attention_fwd`). That
 kernel gives each (request, head) one program, which walks the request's whole prefix alone: at batch 1 a model with

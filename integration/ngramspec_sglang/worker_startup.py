@@ -70,7 +70,13 @@ class WorkerStartup:
         while the model runner reports no speculative algorithm, which is what selects the DECODE capture).
         """
         runner = self.model_runner
-        self._split_kv = self._new_split_kv() if self.config.split_kv_verify and not _is_cpu else None
+        self._split_kv = None
+        if self.config.split_kv_verify and not _is_cpu:
+            if hasattr(runner.attn_backend, "use_verify_splitkv"):  # SGLang's Triton attention
+                self._split_kv = self._new_split_kv()
+            else:
+                logger.info("NGRAM_ADAPTIVE: split_kv_verify needs the Triton attention backend, not %s; off",
+                            type(runner.attn_backend).__name__)
         self._install_split_kv(runner.attn_backend)  # its eager verifies (batches beyond the captured sizes)
         super().init_cuda_graphs()
         self._prefill_state = (runner.attn_backend, runner.decode_cuda_graph_runner)

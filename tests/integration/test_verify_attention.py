@@ -187,10 +187,11 @@ def test_install_routes_a_triton_backends_verify_through_it_and_leaves_others():
     assert not install(other, kernel) and vars(other) == {"forward_extend": None}
 
 
-def test_the_knob_is_off_by_default_and_takes_true_false_or_grouped():
+def test_the_knob_is_grouped_by_default_and_takes_true_false_or_grouped():
     from ngramspec_sglang.config import AdaptiveConfig
 
-    assert AdaptiveConfig(widths=(1, 2, 4)).split_kv_verify is False
+    assert AdaptiveConfig(widths=(1, 2, 4)).split_kv_verify == "grouped"
+    assert AdaptiveConfig(widths=(1, 2, 4), split_kv_verify=False).split_kv_verify is False
     assert AdaptiveConfig(widths=(1, 2, 4), split_kv_verify=True).split_kv_verify is True
     assert AdaptiveConfig(widths=(1, 2, 4), split_kv_verify="grouped").split_kv_verify == "grouped"
     with pytest.raises(ValueError, match="split_kv_verify"):

@@ -111,16 +111,22 @@ def _run(runs: list) -> list:
 
 def test_split_kv_verify_reaches_every_width_and_prefill_keeps_the_start_up_backend():
     """SGLang captures the largest width's verify graphs when it starts the model, before the worker exists: with
-    `split_kv_verify` that width gets a backend and graphs of its own through the split kernel, like every other
-    width; prefill stays on the start-up backend. Without it the largest width runs on the start-up state."""
+    `split_kv_verify` (on by default) that width gets a backend and graphs of its own through the split kernel, like
+    every other width; prefill stays on the start-up backend. Off, or on a backend without the Triton backend's hook,
+    the kernel is not built and the largest width runs on the start-up state."""
+    widths = [1, 2, 4, 8, 16]
     proc = subprocess.run([sys.executable, str(SCENARIO), "startup", json.dumps(
-        [{"widths": [1, 2, 4, 8, 16]}, {"widths": [1, 2, 4, 8, 16], "split_kv_verify": "grouped"}])],
+        [{"widths": widths, "split_kv_verify": False}, {"widths": widths},
+         {"widths": widths, "_triton": False}])],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    off, on = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert off["widths"]["16"] == off["prefill"] == {"backend": "startup", "graphs": "startup graphs", "split": False}
-    assert not any(state["split"] for state in off["widths"].values())
-    assert set(on["widths"]) == {"1", "2", "4", "8", "16"}
+    off, on, other = json.loads(proc.stdout.strip().splitlines()[-1])
+    for state in (off, other):
+        assert state["widths"]["16"] == state["prefill"] == {"backend": "startup", "graphs": "startup graphs",
+                                                             "split": False}
+        assert not any(w["split"] for w in state["widths"].values())
+        assert not state["kernel_built"]
+    assert set(on["widths"]) == set(map(str, widths)) and on["kernel_built"]
     for state in on["widths"].values():
         assert state == {"backend": "new", "graphs": "graphs of new", "split": True}
     assert on["prefill"]["backend"] == "startup" and on["prefill"]["graphs"] == "startup graphs"

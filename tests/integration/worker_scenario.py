@@ -605,7 +605,9 @@ def startup(config_json: dict) -> dict:
     """`init_cuda_graphs` with SGLang's parts faked (the target worker's own capture, attention backends, graph
     runners; the split-KV kernel a stand-in, as if on a GPU): for each width, and for prefill, which attention backend
     it runs on and whether that backend's verifies go through the split kernel. The start-up backend is "startup",
-    a new one "new"."""
+    a new one "new". ``config_json["_triton"]`` false: the backends lack the Triton backend's split-KV hook."""
+    config_json = dict(config_json)
+    triton = config_json.pop("_triton", True)
     worker_mod, _ = import_worker()
     import ngramspec_sglang.worker_startup as startup_mod
     from ngramspec_sglang.config import resolve_config
@@ -619,7 +621,8 @@ def startup(config_json: dict) -> dict:
     startup_mod._is_cpu = False
     startup_mod.check_cuda_graph_backend = lambda *args: False  # graphs enabled
     startup_mod.get_spec = lambda: SimpleNamespace(override=lambda **kw: contextlib.nullcontext())
-    backend = lambda name: SimpleNamespace(name=name, use_verify_splitkv=False)  # noqa: E731 (a Triton-like one)
+    def backend(name):  # a Triton-like one, or one without its hook
+        return SimpleNamespace(name=name, use_verify_splitkv=False) if triton else SimpleNamespace(name=name)
     w = object.__new__(worker_mod.NgramAdaptiveWorker)
     w.config, w.max_width, w.topk = config, config.max_width, 1
     w.model_runner = SimpleNamespace(
@@ -627,16 +630,18 @@ def startup(config_json: dict) -> dict:
         _decode_cuda_graph_runner_cls=lambda: lambda runner, attn_backend, **kw: f"graphs of {attn_backend.name}")
     w._width_states, w._prefill_state, w._plain_ok = {}, None, False
     w._new_attention_backend = lambda: backend("new")
-    w._new_split_kv = lambda: (lambda *args, **kwargs: True)
+    built = []
+    w._new_split_kv = lambda: built.append(1) or (lambda *args, **kwargs: True)
     w._warm_step_kernels = lambda: None
     w._verify_capture_sizes = lambda width: contextlib.nullcontext()  # SGLang's batch sizes
     w.init_cuda_graphs()
 
     def seen(state):
-        return {"backend": state[0].name, "graphs": state[1], "split": bool(state[0].use_verify_splitkv)}
+        return {"backend": state[0].name, "graphs": state[1], "split": bool(getattr(state[0], "use_verify_splitkv",
+                                                                                          False))}
 
     return {"widths": {str(k): seen(v) for k, v in sorted(w._width_states.items())},
-            "prefill": seen(w._prefill_state)}
+            "prefill": seen(w._prefill_state), "kernel_built": bool(built)}
 
 
 if __name__ == "__main__":  # argv[1]: a JSON list of [adaptive config, {run's keyword arguments}]; prints results
