@@ -192,9 +192,9 @@ CONFIGS = {
     "adaptive_skv": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"split_kv_verify": True}),
     "adaptive_f16_skv": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"fixed_width": 16,
                                                                                      "split_kv_verify": True}),
-    # the same with one program per KV head for its GQA group of query heads (the default since run 21)
+    # the same with one program per KV head for its GQA group of query heads (the default)
     "adaptive_skvg": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"split_kv_verify": "grouped"}),
-    # SGLang's own verify attention (its prefill kernel), the default before run 21
+    # SGLang's own verify attention (its prefill kernel), the previous default
     "adaptive_noskv": dict(speculative_algorithm="NGRAM_ADAPTIVE", adaptive_file={"split_kv_verify": False}),
     # the width sweep (adaptive_sweep) through the grouped kernel: each width's verify cost with it
     "sweep_skvg": dict(speculative_algorithm="NGRAM_ADAPTIVE",
