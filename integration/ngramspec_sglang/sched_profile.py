@@ -9,6 +9,7 @@ times a second while decode steps run, with running sums (readers difference two
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -43,10 +44,11 @@ def write_json(path: str, obj) -> None:
 
 def dump_periodically(count: Callable[[], int], dump: Callable[[], None], name: str, period_s: float = 0.25) -> None:
     """A daemon thread that calls ``dump()`` every ``period_s`` seconds while ``count()`` changes (diagnostic
-    files rewritten while steps run; a dict changed under the dump, or a write error, retries at the next tick)."""
+    files rewritten while steps run; a dict changed under the dump, or a write error, retries at the next tick; any
+    other error is logged once and retried too: the thread outlives it)."""
 
     def loop():
-        seen = -1
+        seen, logged = -1, False
         while True:
             time.sleep(period_s)
             n = count()
@@ -56,6 +58,10 @@ def dump_periodically(count: Callable[[], int], dump: Callable[[], None], name: 
                     seen = n
                 except (RuntimeError, OSError):
                     pass
+                except Exception:
+                    if not logged:
+                        logging.getLogger(__name__).exception("NGRAM_ADAPTIVE: %s: a diagnostic dump failed", name)
+                        logged = True
 
     threading.Thread(target=loop, name=name, daemon=True).start()
 

@@ -168,11 +168,22 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
         return int(getattr(config, "vocab_size", 0) or config.hf_config.vocab_size)
 
     def _wire_profile(self, profile: HostProfile) -> None:
-        """`NGRAMSPEC_PROFILE`'s views of the planner's live state (read at each dump)."""
-        profile.forwards_summary = lambda: (self.planner.forwards.summary()
-                                            if self.planner.forwards is not None else None)
-        profile.live_stats = lambda: self.planner.stats
-        profile.preplan_summary = lambda: self.planner.preplan_summary(DEFAULT_PREPLAN_SLACK_MS)
+        """`NGRAMSPEC_PROFILE`'s views of the planner's live state (read at each dump, from the dump's thread: None
+        while a cache flush replaces the planner)."""
+        def forwards_summary():
+            planner = self.planner
+            return planner.forwards.summary() if planner is not None and planner.forwards is not None else None
+
+        def live_stats():
+            planner = self.planner
+            return planner.stats if planner is not None else None
+
+        def preplan_summary():
+            planner = self.planner
+            return planner.preplan_summary(DEFAULT_PREPLAN_SLACK_MS) if planner is not None else None
+
+        profile.forwards_summary, profile.live_stats, profile.preplan_summary = \
+            forwards_summary, live_stats, preplan_summary
 
     def _preplan_on(self) -> bool:
         """`preplan`: true, false, or with "auto" where the wait it fills is measured to outlast it

@@ -211,3 +211,30 @@ def test_a_failing_memory_snapshot_turns_the_trace_off_and_raises_nothing(tmp_pa
     finally:
         if not was_tracing:
             tracemalloc.stop()
+
+
+def test_the_dump_thread_outlives_a_failing_dump(caplog):
+    """A dump that raises something unexpected is logged once; the thread dumps on at the next ticks."""
+    import threading
+
+    from ngramspec_sglang.sched_profile import dump_periodically
+
+    calls, steps, done = [], [0], threading.Event()
+
+    def dump():
+        calls.append(steps[0])
+        if len(calls) <= 2:
+            raise AttributeError("a view read a planner being replaced")
+        if len(calls) >= 4:
+            done.set()
+
+    def count():
+        steps[0] += 1  # every tick sees new steps
+        return steps[0]
+
+    with caplog.at_level("ERROR"):
+        dump_periodically(count, dump, "test-dump", period_s=0.01)
+        assert done.wait(10)
+    failures = [r for r in caplog.records if "a diagnostic dump failed" in r.getMessage()]
+    assert len(failures) == 1 and "test-dump" in failures[0].getMessage()
+
