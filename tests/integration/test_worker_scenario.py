@@ -132,6 +132,15 @@ def test_split_kv_verify_reaches_every_width_and_prefill_keeps_the_start_up_back
     assert on["prefill"]["backend"] == "startup" and on["prefill"]["graphs"] == "startup graphs"
 
 
+def test_the_profiles_views_read_nothing_while_a_flush_replaces_the_planner():
+    """`NGRAMSPEC_PROFILE`'s dump thread reads the planner's live state beside the scheduler; during a cache flush
+    the worker holds no planner for a moment: the views read None there and the dump goes through."""
+    proc = subprocess.run([sys.executable, str(SCENARIO), "views"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    views = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert views == {"forwards": None, "stats": None, "preplan": None, "sources": {}}
+
+
 def test_the_length_check_reports_host_lengths_that_lag_the_device():
     """`NGRAMSPEC_CHECK_LENS` (on in the scenario) against a fault put in on purpose: the worker forgets which
     requests the last forward ran, so it leaves their relayed tokens out and its lengths lag the device's."""
@@ -213,6 +222,10 @@ def test_recycling_learns_from_the_verifiers_scores_and_stays_exact(results, nam
     table's drafts join the n-gram ones; outputs stay exact (with preplan too)."""
     r = results[name]
     assert r["outputs_equal_truth"] and r["recycle_rows"] > 100 and r["recycled_requests"] > 0
+    # each row's token is paired with its own row's scores: its first successor follows it in the scripted text
+    # (rows a rejected draft token wrote pair it with the scripted next token instead), not two tokens on
+    pairs = r["recycle_pairs"]
+    assert pairs["seen"] >= 20 and pairs["seen"] > 5 * pairs["skip"]
     others = [n for n in CONFIGS if n not in RECYCLE]
     assert all(results[n]["recycle_rows"] == 0 and results[n]["recycled_requests"] == 0 for n in others)
     # the metrics' split by source: recycling's share of what was drafted and accepted, none without it

@@ -554,6 +554,7 @@ def run(config_json: dict, n_requests: int = 3, steps: int = 400, seed: int = 0,
            "recycled_requests": worker.planner.recycled_requests,
            "recycle_rows": (int((worker.planner.recycle_table.succ[:, 0] >= 0).sum())
                              if worker.planner.recycle_table is not None else 0),
+           "recycle_pairs": recycle_pairs(worker.planner.recycle_table, prompts, truth),
            "stats": dict(worker.planner.stats.__dict__), "kernel_profile": kernels,
            "kernel_start_left": kernel_start_left, "kernel_windows": worker._kprof.windows,
            "memtrace_ticks": worker._memtrace.ticks, "pinned_trims": worker._pinned.trims}
@@ -644,8 +645,43 @@ def startup(config_json: dict) -> dict:
             "prefill": seen(w._prefill_state), "kernel_built": bool(built)}
 
 
+def recycle_pairs(table, prompts, truth) -> dict | None:
+    """How many of the recycling table's rows name, as their first successor, a token that follows the row's token
+    somewhere in the scripted text ("seen"), and how many name one found two tokens on ("skip"): the scripted model
+    scores a row with its position's next token, so a table that pairs each row's token with the scores of its own
+    row reads "seen"; one shifted by a row would read "skip"."""
+    if table is None:
+        return None
+    seen, skip = set(), set()
+    for rid in truth:
+        seq = prompts[rid] + truth[rid]
+        seen.update(zip(seq, seq[1:]))
+        skip.update(zip(seq, seq[2:]))
+    rows = [(x, int(table.succ[x, 0])) for x in range(table.succ.shape[0]) if table.succ[x, 0] >= 0]
+    return {"rows": len(rows), "seen": sum(r in seen for r in rows), "skip": sum(r in skip for r in rows)}
+
+
+def profile_views() -> dict:
+    """The opt-in profile's views of the planner (`_wire_profile`) read while a cache flush has dropped the planner
+    (its dump thread runs beside the scheduler)."""
+    worker_mod, _ = import_worker()
+    from ngramspec_sglang.diagnostics import HostProfile
+
+    w = object.__new__(worker_mod.NgramAdaptiveWorker)
+    w.planner = None
+    with tempfile.TemporaryDirectory() as tmp:
+        prof = HostProfile(str(Path(tmp) / "p.json"))
+        w._wire_profile(prof)
+        prof.dump()
+        diag = json.loads((Path(tmp) / "p.json").read_text())["_diag"]
+    return {"forwards": prof.forwards_summary(), "stats": prof.live_stats(), "preplan": prof.preplan_summary(),
+            "sources": diag["sources"]}
+
+
 if __name__ == "__main__":  # argv[1]: a JSON list of [adaptive config, {run's keyword arguments}]; prints results
     if sys.argv[1] == "startup":  # argv[2]: a JSON list of adaptive configs
         print(json.dumps([startup(c) for c in json.loads(sys.argv[2])]))
+    elif sys.argv[1] == "views":
+        print(json.dumps(profile_views()))
     else:
         print(json.dumps([run(c, **kw) for c, kw in json.loads(sys.argv[1])]))
