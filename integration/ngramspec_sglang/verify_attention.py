@@ -336,11 +336,16 @@ def _as_float(x) -> float:
         return 1.0
 
 
+def has_hook(backend) -> bool:
+    """Whether ``backend`` has SGLang's split-KV verify hook (its Triton attention backend does)."""
+    return hasattr(backend, "use_verify_splitkv")
+
+
 def install(backend, kernel: SplitKvVerify) -> bool:
     """Route ``backend``'s verify attention through ``kernel``, by SGLang's own hook for its split-KV verify
     (``use_verify_splitkv`` and ``verify_splitkv_fwd`` on the Triton backend; a case the kernel declines runs SGLang's
     kernel). False, and nothing changed, for a backend without that hook."""
-    if not hasattr(backend, "use_verify_splitkv"):
+    if not has_hook(backend):
         return False
     backend.use_verify_shared_kv = False
     backend.use_verify_splitkv = True

@@ -170,20 +170,15 @@ class NgramAdaptiveWorker(WorkerStartup, WorkerForward, NGRAMWorker):
     def _wire_profile(self, profile: HostProfile) -> None:
         """`NGRAMSPEC_PROFILE`'s views of the planner's live state (read at each dump, from the dump's thread: None
         while a cache flush replaces the planner)."""
-        def forwards_summary():
-            planner = self.planner
-            return planner.forwards.summary() if planner is not None and planner.forwards is not None else None
+        def view(read):
+            def get():
+                planner = self.planner
+                return None if planner is None else read(planner)
+            return get
 
-        def live_stats():
-            planner = self.planner
-            return planner.stats if planner is not None else None
-
-        def preplan_summary():
-            planner = self.planner
-            return planner.preplan_summary(DEFAULT_PREPLAN_SLACK_MS) if planner is not None else None
-
-        profile.forwards_summary, profile.live_stats, profile.preplan_summary = \
-            forwards_summary, live_stats, preplan_summary
+        profile.forwards_summary = view(lambda p: p.forwards.summary() if p.forwards is not None else None)
+        profile.live_stats = view(lambda p: p.stats)
+        profile.preplan_summary = view(lambda p: p.preplan_summary(DEFAULT_PREPLAN_SLACK_MS))
 
     def _preplan_on(self) -> bool:
         """`preplan`: true, false, or with "auto" where the wait it fills is measured to outlast it

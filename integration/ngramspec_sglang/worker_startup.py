@@ -72,7 +72,9 @@ class WorkerStartup:
         runner = self.model_runner
         self._split_kv = None
         if self.config.split_kv_verify and not _is_cpu:
-            if hasattr(runner.attn_backend, "use_verify_splitkv"):  # SGLang's Triton attention
+            from .verify_attention import has_hook
+
+            if has_hook(runner.attn_backend):  # SGLang's Triton attention
                 self._split_kv = self._new_split_kv()
             else:
                 logger.info("NGRAM_ADAPTIVE: split_kv_verify needs the Triton attention backend, not %s; off",

@@ -237,4 +237,3 @@ def test_the_dump_thread_outlives_a_failing_dump(caplog):
         assert done.wait(10)
     failures = [r for r in caplog.records if "a diagnostic dump failed" in r.getMessage()]
     assert len(failures) == 1 and "test-dump" in failures[0].getMessage()
-
